@@ -1,0 +1,123 @@
+"""The operations: verify, apply, revert and refresh a series on a tree, each as a short recipe."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+from scripts import checkout, refresh as refresh_step
+from scripts.errors import ToolError
+from scripts.hunks import TreeState, apply_chain, classify, series_paths
+from scripts.lock import Lock, Release, load_lock, sha256_bytes
+from scripts.series import Patch, load_series
+from scripts.tree import Tree, locate
+
+
+@dataclass
+class Inspection:
+    release: Release
+    tree: Tree
+    patches: List[Patch]
+    state: TreeState
+    matching_release: Optional[Release]  # the locked release the tree's upstream files equal
+
+    @property
+    def pinned(self) -> bool:
+        return checkout.is_pinned(self.tree, self.release)
+
+
+def inspect(version: Optional[str] = None, sglang_dir: Optional[Path] = None, lock: Optional[Lock] = None,
+            build_checkout: bool = True) -> Inspection:
+    """Load the lock, open the tree, and find where every hunk of the series stands. Writes nothing
+    (except building the pinned checkout when no tree is named and build_checkout is set)."""
+    lock = lock or load_lock()
+    if sglang_dir is None:
+        release = lock.release(version)
+        tree = checkout.ensure(release) if build_checkout else _existing_checkout(release)
+        return _inspect_with(lock, release, tree)
+    tree = locate(sglang_dir)
+    if version is not None:
+        return _inspect_with(lock, lock.release(version), tree)
+    candidates = [lock.release(None)] + [r for v, r in lock.releases.items() if v != lock.default]
+    inspections = [_inspect_with(lock, release, tree) for release in candidates]
+    for inspection in inspections:
+        if inspection.matching_release is inspection.release:
+            return inspection
+    return inspections[0]
+
+
+def _existing_checkout(release: Release) -> Tree:
+    if not (release.checkout_dir / ".git").exists():
+        raise ToolError(f"{release.checkout_dir} does not exist yet: run make apply first.")
+    return checkout.ensure(release)
+
+
+def _inspect_with(lock: Lock, release: Release, tree: Tree) -> Inspection:
+    patches = load_series(release.series_dir)
+    files = tree.read(sorted(set(series_paths(patches)) | set(release.files)))
+    state = classify(files, patches)
+    matching = None
+    if state.upstream is not None:
+        hashes = {
+            path: sha256_bytes("".join(lines).encode("utf-8")) if lines is not None else None
+            for path, lines in state.upstream.items()
+        }
+        matching = lock.matching_release(hashes)
+    return Inspection(release, tree, patches, state, matching)
+
+
+def half_applied_advice(inspection: Inspection) -> str:
+    state = inspection.state
+    if state.kind == "partial":
+        names = ", ".join(p.name for p in inspection.patches[: state.applied_count])
+        return (f"The tree is half-applied: {names} are in, the rest of the series is not. "
+                f"Run `make revert` to take them out, then `make apply`.")
+    return ("The tree has drifted: some hunks match neither the upstream nor the patched lines "
+            "(hand edits, another release, or another patch set). Restore the upstream files "
+            "(reinstall the release, or `git checkout` them in a clone), then run `make apply`.")
+
+
+def verify(version=None, sglang_dir=None) -> Inspection:
+    return inspect(version, sglang_dir, build_checkout=False)
+
+
+def apply(version=None, sglang_dir=None, allow_unlocked=False) -> str:
+    inspection = inspect(version, sglang_dir)
+    state = inspection.state
+    if state.kind == "applied":
+        return f"the series for sglang {inspection.release.version} is already applied; nothing to do"
+    if state.kind != "clean":
+        raise ToolError(half_applied_advice(inspection))
+    if inspection.matching_release is not inspection.release and not allow_unlocked:
+        raise ToolError(
+            f"every hunk applies, but the tree's files differ from those sglang.lock pins for "
+            f"sglang {inspection.release.version}, so the series was never tested on them. "
+            f"Pass ALLOW_UNLOCKED=1 to apply anyway."
+        )
+    files = inspection.tree.read(series_paths(inspection.patches))
+    if inspection.pinned:
+        checkout.commit_series(inspection.tree, files, inspection.patches)
+    else:
+        patched, _ = apply_chain(files, inspection.patches, reverse=False)
+        inspection.tree.write(patched, files)
+    return f"applied {len(inspection.patches)} patches for sglang {inspection.release.version} to {inspection.tree.root}"
+
+
+def revert(version=None, sglang_dir=None) -> str:
+    inspection = inspect(version, sglang_dir, build_checkout=False)
+    state = inspection.state
+    if state.kind == "clean":
+        return f"no patch of the series is applied in {inspection.tree.root}; nothing to do"
+    if state.kind == "drift":
+        raise ToolError(half_applied_advice(inspection))
+    if inspection.pinned:
+        checkout.reset_to_upstream(inspection.tree)
+    else:
+        current = inspection.tree.read(list(state.upstream))
+        inspection.tree.write(state.upstream, current)
+    return f"reverted {state.applied_count} patches in {inspection.tree.root}"
+
+
+def refresh(version=None) -> List[str]:
+    lock = load_lock()
+    release = lock.release(version)
+    return refresh_step.refresh(_existing_checkout(release), release.series_dir)

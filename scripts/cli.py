@@ -1,0 +1,74 @@
+"""Command line: python -m scripts {verify,apply,revert,refresh-patches} [--version V] [--dir D].
+
+Exit codes: 0 clean or done, 1 drift / half-applied / refused, 2 usage error.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from scripts import apply as ops
+from scripts.errors import USAGE, ToolError
+from scripts.hunks import DRIFT
+
+
+def format_inspection(inspection: ops.Inspection) -> str:
+    state = inspection.state
+    tree = inspection.tree
+    out = [f"sglang {inspection.release.version} series ({len(inspection.patches)} patches) "
+           f"against {tree.root} ({tree.layout} layout)"]
+    if inspection.matching_release is not None:
+        out.append(f"upstream files match the locked release {inspection.matching_release.version}")
+    else:
+        out.append("upstream files match no release in sglang.lock")
+    rows = [(r.patch, f"{r.path}:{r.line}", r.status + (f" (offset {r.offset:+d})" if r.offset else ""), r)
+            for r in state.reports]
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(("patch", "file:line", "status"))]
+    out.append(f"{'patch':<{widths[0]}}  {'file:line':<{widths[1]}}  status")
+    for patch, where, status, report in rows:
+        out.append(f"{patch:<{widths[0]}}  {where:<{widths[1]}}  {status}")
+        if report.status == DRIFT:
+            out += ["      expected: " + repr(line) for line in report.expected[:6]]
+            out += ["      found:    " + repr(line) for line in report.found[:6]]
+    summary = {
+        "clean": "clean: the whole series applies",
+        "applied": "applied: every patch of the series is in",
+        "partial": f"half-applied: {state.applied_count} of {len(inspection.patches)} patches are in",
+        "drift": "drift: the series cannot be applied to this tree",
+    }[state.kind]
+    out.append(f"state: {summary}")
+    if state.kind in ("partial", "drift"):
+        out.append(ops.half_applied_advice(inspection))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["verify", "apply", "revert", "refresh-patches"])
+    parser.add_argument("--version", default=None, help="an SGLang release in sglang.lock (default: its default)")
+    parser.add_argument("--dir", default=None, type=Path,
+                        help="patch this tree (a git clone or a package root) instead of the pinned checkout")
+    parser.add_argument("--allow-unlocked", action="store_true",
+                        help="apply even when the tree's files differ from the locked release")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return USAGE if e.code else 0
+    version = args.version or None
+    try:
+        if args.command == "verify":
+            inspection = ops.verify(version, args.dir)
+            print(format_inspection(inspection))
+            return 0 if inspection.state.kind in ("clean", "applied") else 1
+        if args.command == "apply":
+            print(ops.apply(version, args.dir, args.allow_unlocked))
+        elif args.command == "revert":
+            print(ops.revert(version, args.dir))
+        else:
+            names = ops.refresh(version)
+            print(f"wrote {len(names)} patches and the series file")
+        return 0
+    except ToolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code

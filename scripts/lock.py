@@ -1,0 +1,95 @@
+"""sglang.lock: the upstream releases this project supports, parsed in one place."""
+
+import hashlib
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+from scripts.errors import USAGE, ToolError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOCK_PATH = REPO_ROOT / "sglang.lock"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    filename: str
+    sha256: str
+    kind: str  # "sdist" or "wheel"
+
+
+@dataclass(frozen=True)
+class Release:
+    version: str
+    tag: str
+    artifact: Artifact
+    # sha256 of every upstream file the series touches, keyed by path relative to the
+    # package root ("sglang/srt/..."); files the series creates are not listed.
+    files: Dict[str, str]
+
+    @property
+    def series_dir(self) -> Path:
+        return REPO_ROOT / "patches" / f"v{self.version}"
+
+    @property
+    def checkout_dir(self) -> Path:
+        return REPO_ROOT / ".sglang" / self.version
+
+
+@dataclass(frozen=True)
+class Lock:
+    default: str
+    releases: Dict[str, Release]
+
+    def release(self, version: Optional[str]) -> Release:
+        version = version or self.default
+        if version not in self.releases:
+            known = ", ".join(sorted(self.releases))
+            raise ToolError(
+                f"SGLang {version} is not in {LOCK_PATH.name} (supported: {known}).", USAGE
+            )
+        return self.releases[version]
+
+    def matching_release(self, hashes: Dict[str, Optional[str]]) -> Optional[Release]:
+        """The locked release whose file hashes all equal `hashes`, if any."""
+        for release in self.releases.values():
+            if all(hashes.get(path) == digest for path, digest in release.files.items()):
+                return release
+        return None
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def load_lock(path: Path = LOCK_PATH) -> Lock:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ToolError(f"{path} is missing.", USAGE)
+    except tomllib.TOMLDecodeError as e:
+        raise ToolError(f"{path} is not valid TOML: {e}", USAGE)
+    try:
+        releases = {
+            version: Release(
+                version=version,
+                tag=entry["tag"],
+                artifact=Artifact(**entry["artifact"]),
+                files=dict(entry["files"]),
+            )
+            for version, entry in data["releases"].items()
+        }
+        lock = Lock(default=data["default"], releases=releases)
+    except (KeyError, TypeError) as e:
+        raise ToolError(f"{path} lacks a required key or has a wrong one: {e}", USAGE)
+    lock.release(lock.default)
+    return lock

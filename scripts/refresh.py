@@ -1,0 +1,61 @@
+"""Regenerate patches/<version>/ from the pinned checkout's commits, so nobody edits a diff by hand."""
+
+import datetime
+from pathlib import Path
+from typing import List
+
+import git
+
+from scripts.checkout import patch_commits
+from scripts.errors import ToolError
+from scripts.series import header_fields, split_header
+from scripts.tree import Tree
+
+
+def render(header: str, diff: str) -> str:
+    return f"{header.rstrip()}\n---\n{diff}"
+
+
+def with_last_update(header: str, day: str) -> str:
+    lines = [
+        f"Last-Update: {day}" if line.startswith("Last-Update:") else line
+        for line in header.rstrip("\n").splitlines()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def refresh(tree: Tree, series_dir: Path) -> List[str]:
+    """Write one patch per commit above upstream and the series file; returns the patch names.
+
+    A patch keeps its DEP-3 header from its commit message; Last-Update moves to today only
+    when the diff itself changed.
+    """
+    commits = patch_commits(tree)
+    if not commits:
+        raise ToolError(f"{tree.root} has no commits above upstream: nothing to refresh from.")
+    series_dir.mkdir(parents=True, exist_ok=True)
+    today = datetime.date.today().isoformat()
+    names = []
+    for commit in commits:
+        stem = commit.summary.strip()
+        header = commit.message.split("\n", 1)[1].strip("\n") + "\n" if "\n" in commit.message else ""
+        missing = [f for f in ("Description", "Forwarded", "Last-Update") if f not in header_fields(header)]
+        if missing:
+            raise ToolError(
+                f"commit {commit.hexsha[:10]} ({stem}) lacks DEP-3 fields {', '.join(missing)} in its message."
+            )
+        diff = git.Repo(tree.root).git.diff(
+            commit.parents[0].hexsha, commit.hexsha, "--no-color", "--no-ext-diff", "--no-renames", "-U3"
+        ) + "\n"
+        name = f"{stem}.patch"
+        path = series_dir / name
+        if path.exists():
+            _, old_diff = split_header(path.read_text())
+            if old_diff != diff:
+                header = with_last_update(header, today)
+        path.write_text(render(header, diff))
+        names.append(name)
+    for stale in set(p.name for p in series_dir.glob("*.patch")) - set(names):
+        (series_dir / stale).unlink()
+    (series_dir / "series").write_text("".join(f"{name}\n" for name in names))
+    return names

@@ -1,0 +1,96 @@
+"""A patch series: the `series` file, each patch's DEP-3 header, and its parsed hunks."""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List
+
+from unidiff import PatchSet, UnidiffParseError
+
+from scripts.errors import USAGE, ToolError
+
+DIFF_START = re.compile(r"^(diff --git |--- )", re.MULTILINE)
+REQUIRED_HEADER_FIELDS = ("Description", "Forwarded", "Last-Update")
+
+
+@dataclass
+class Patch:
+    name: str  # file name, e.g. "0001-capture-aux-hidden-states.patch"
+    header: str  # the DEP-3 header: every line before the diff
+    patchset: PatchSet
+
+    @property
+    def stem(self) -> str:
+        return self.name[: -len(".patch")] if self.name.endswith(".patch") else self.name
+
+    @property
+    def paths(self) -> List[str]:
+        return [patched_file.path for patched_file in self.patchset]
+
+
+def split_header(text: str):
+    """(DEP-3 header, diff) of a patch file's text; the header ends at its `---` line."""
+    match = DIFF_START.search(text)
+    if match is None:
+        return text, ""
+    header = text[: match.start()]
+    if header.endswith("---\n"):
+        header = header[: -len("---\n")]
+    return header.rstrip("\n") + "\n", text[match.start() :]
+
+
+def header_fields(header: str) -> dict:
+    fields = {}
+    for line in header.splitlines():
+        if line[:1].isspace() or ":" not in line:
+            continue
+        key, value = line.split(":", 1)
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def read_series_names(series_dir: Path) -> List[str]:
+    series_file = series_dir / "series"
+    if not series_file.is_file():
+        raise ToolError(f"{series_file} is missing: no patch series for this release.", USAGE)
+    names = []
+    for line in series_file.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line)
+    return names
+
+
+def parse_patch(path: Path) -> Patch:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ToolError(f"{path} is listed in series but does not exist.", USAGE)
+    header, diff = split_header(text)
+    missing = [f for f in REQUIRED_HEADER_FIELDS if f not in header_fields(header)]
+    if missing:
+        raise ToolError(f"{path}: the DEP-3 header lacks {', '.join(missing)}.", USAGE)
+    try:
+        patchset = PatchSet(diff)
+    except UnidiffParseError as e:
+        raise ToolError(f"{path}: cannot parse the diff: {e}", USAGE)
+    if not diff or len(patchset) == 0:
+        raise ToolError(f"{path}: holds no diff.", USAGE)
+    for patched_file in patchset:
+        if patched_file.is_removed_file or patched_file.is_rename:
+            raise ToolError(
+                f"{path}: {patched_file.path}: removing or renaming files is not supported.",
+                USAGE,
+            )
+        for hunk in patched_file:
+            if not hunk.is_valid():
+                raise ToolError(
+                    f"{path}: {patched_file.path}: hunk {hunk.source_start},"
+                    f"{hunk.source_length} does not match its header counts.",
+                    USAGE,
+                )
+    return Patch(name=path.name, header=header, patchset=patchset)
+
+
+def load_series(series_dir: Path) -> List[Patch]:
+    return [parse_patch(series_dir / name) for name in read_series_names(series_dir)]
