@@ -76,12 +76,12 @@ def half_applied_advice(inspection: Inspection) -> str:
             "(reinstall the release, or `git checkout` them in a clone), then run `make apply`.")
 
 
-def verify(version=None, sglang_dir=None) -> Inspection:
-    return inspect(version, sglang_dir, build_checkout=False)
+def verify(version=None, sglang_dir=None, lock=None) -> Inspection:
+    return inspect(version, sglang_dir, lock, build_checkout=False)
 
 
-def apply(version=None, sglang_dir=None, allow_unlocked=False) -> str:
-    inspection = inspect(version, sglang_dir)
+def apply(version=None, sglang_dir=None, allow_unlocked=False, lock=None) -> str:
+    inspection = inspect(version, sglang_dir, lock)
     state = inspection.state
     if state.kind == "applied":
         return f"the series for sglang {inspection.release.version} is already applied; nothing to do"
@@ -102,8 +102,8 @@ def apply(version=None, sglang_dir=None, allow_unlocked=False) -> str:
     return f"applied {len(inspection.patches)} patches for sglang {inspection.release.version} to {inspection.tree.root}"
 
 
-def revert(version=None, sglang_dir=None) -> str:
-    inspection = inspect(version, sglang_dir, build_checkout=False)
+def revert(version=None, sglang_dir=None, lock=None) -> str:
+    inspection = inspect(version, sglang_dir, lock, build_checkout=False)
     state = inspection.state
     if state.kind == "clean":
         return f"no patch of the series is applied in {inspection.tree.root}; nothing to do"
@@ -117,7 +117,7 @@ def revert(version=None, sglang_dir=None) -> str:
     return f"reverted {state.applied_count} patches in {inspection.tree.root}"
 
 
-def refresh(version=None) -> List[str]:
-    lock = load_lock()
+def refresh(version=None, lock=None) -> List[str]:
+    lock = lock or load_lock()
     release = lock.release(version)
     return refresh_step.refresh(_existing_checkout(release), release.series_dir)

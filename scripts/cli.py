@@ -1,4 +1,4 @@
-"""Command line: python -m scripts {verify,apply,revert,refresh-patches} [--version V] [--dir D].
+"""Command line: python -m scripts {verify,apply,revert,refresh-patches} [--version V] [--dir D] [--lock L].
 
 Exit codes: 0 clean or done, 1 drift / half-applied / refused, 2 usage error.
 """
@@ -10,6 +10,7 @@ from pathlib import Path
 from scripts import apply as ops
 from scripts.errors import USAGE, ToolError
 from scripts.hunks import DRIFT
+from scripts.lock import LOCK_PATH, load_lock
 
 
 def format_inspection(inspection: ops.Inspection) -> str:
@@ -51,22 +52,25 @@ def main(argv=None) -> int:
                         help="patch this tree (a git clone or a package root) instead of the pinned checkout")
     parser.add_argument("--allow-unlocked", action="store_true",
                         help="apply even when the tree's files differ from the locked release")
+    parser.add_argument("--lock", default=LOCK_PATH, type=Path,
+                        help="the lock file (default: sglang.lock); patches/ and .sglang/ lie next to it")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return USAGE if e.code else 0
     version = args.version or None
     try:
+        lock = load_lock(args.lock)
         if args.command == "verify":
-            inspection = ops.verify(version, args.dir)
+            inspection = ops.verify(version, args.dir, lock)
             print(format_inspection(inspection))
             return 0 if inspection.state.kind in ("clean", "applied") else 1
         if args.command == "apply":
-            print(ops.apply(version, args.dir, args.allow_unlocked))
+            print(ops.apply(version, args.dir, args.allow_unlocked, lock))
         elif args.command == "revert":
-            print(ops.revert(version, args.dir))
+            print(ops.revert(version, args.dir, lock))
         else:
-            names = ops.refresh(version)
+            names = ops.refresh(version, lock)
             print(f"wrote {len(names)} patches and the series file")
         return 0
     except ToolError as e:

@@ -83,7 +83,6 @@ def transform(files: Files, patch: Patch, reverse: bool = False) -> Tuple[bool, 
     for patched_file in patch.patchset:
         path = patched_file.path
         lines = files.get(path)
-        creates = patched_file.is_added_file != reverse  # forward add, or reverse of an add
         deletes = patched_file.is_added_file and reverse
         if patched_file.is_added_file:
             whole = [l.value for hunk in patched_file for l in hunk.target_lines()]
@@ -109,7 +108,6 @@ def transform(files: Files, patch: Patch, reverse: bool = False) -> Tuple[bool, 
                                       found=["(file absent)"]))
             ok = False
             continue
-        assert not creates
         placements = []
         for hunk in patched_file:
             expected, anchor, replacement, _ = _sides(hunk, reverse)

@@ -27,14 +27,15 @@ class Release:
     # sha256 of every upstream file the series touches, keyed by path relative to the
     # package root ("sglang/srt/..."); files the series creates are not listed.
     files: Dict[str, str]
+    root: Path  # the folder of the lock file, which holds patches/ and .sglang/ too
 
     @property
     def series_dir(self) -> Path:
-        return REPO_ROOT / "patches" / f"v{self.version}"
+        return self.root / "patches" / f"v{self.version}"
 
     @property
     def checkout_dir(self) -> Path:
-        return REPO_ROOT / ".sglang" / self.version
+        return self.root / ".sglang" / self.version
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ def load_lock(path: Path = LOCK_PATH) -> Lock:
                 tag=entry["tag"],
                 artifact=Artifact(**entry["artifact"]),
                 files=dict(entry["files"]),
+                root=path.resolve().parent,
             )
             for version, entry in data["releases"].items()
         }

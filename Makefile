@@ -1,0 +1,77 @@
+# EAGLE-3 hidden-state dump for SGLang: a patch series on a pinned upstream checkout.
+# Every target takes SGLANG_VERSION= (a release in sglang.lock; default: its default) and
+# SGLANG_DIR= (patch that tree instead of the pinned checkout .sglang/<version>/).
+
+PYTHON ?= python3
+SGLANG_VERSION ?=
+SGLANG_DIR ?=
+ALLOW_UNLOCKED ?=
+PYTEST_ARGS ?=
+
+VERSION := $(or $(SGLANG_VERSION),$(shell $(PYTHON) -c 'import tomllib; print(tomllib.load(open("sglang.lock", "rb"))["default"])'))
+TOOLS_VENV := .venv/tools
+TOOLS_PY := $(TOOLS_VENV)/bin/python
+RUNTIME_VENV := .venv/sglang-$(VERSION)
+RUNTIME_PY := $(RUNTIME_VENV)/bin/python
+CHECKOUT := $(or $(SGLANG_DIR),.sglang/$(VERSION))
+LIBCUDA_STUB_DIR := .venv/libcuda-stub
+SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if $(ALLOW_UNLOCKED),--allow-unlocked)
+# How tests and the demo run the patched tree: the runtime venv holds upstream SGLang and its
+# dependencies; the patched checkout goes first on the path.
+RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) RUNTIME_PYTHON=$(abspath $(RUNTIME_PY)) \
+	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
+
+.PHONY: help tools runtime apply verify revert refresh-patches test test-tools test-warmup test-unit demo clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
+
+$(TOOLS_VENV)/.installed: requirements/tools.txt
+	$(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_PY) -m pip install --quiet -r requirements/tools.txt
+	touch $@
+
+tools: $(TOOLS_VENV)/.installed ## the small environment apply/verify/revert/refresh need
+
+apply: tools ## build the pinned checkout (or patch SGLANG_DIR) and apply the series; a no-op when applied
+	$(TOOLS_PY) -m scripts apply $(SCRIPT_ARGS)
+
+verify: tools ## report every hunk as applies/applied/drift; never writes (exit 0 ok, 1 drift or half-applied, 2 usage)
+	$(TOOLS_PY) -m scripts verify $(SCRIPT_ARGS)
+
+revert: tools ## restore the upstream bytes of every patched file
+	$(TOOLS_PY) -m scripts revert $(SCRIPT_ARGS)
+
+refresh-patches: tools ## regenerate patches/v<version>/ from the pinned checkout's commits
+	$(TOOLS_PY) -m scripts refresh-patches $(SCRIPT_ARGS)
+
+$(RUNTIME_VENV)/.installed: requirements/runtime.txt
+	$(PYTHON) -m venv $(RUNTIME_VENV)
+	$(RUNTIME_PY) -m pip install --quiet "sglang==$(VERSION)" -r requirements/runtime.txt
+	touch $@
+
+$(LIBCUDA_STUB_DIR)/libcuda.so.1: stubs/libcuda_stub.c
+	mkdir -p $(LIBCUDA_STUB_DIR)
+	if [ -e /dev/nvidiactl ] || ldconfig -p | grep -q 'libcuda.so.1 '; then \
+		echo "a real NVIDIA driver is present: no libcuda stand-in"; touch $@.none; \
+	else cc -shared -fPIC -O2 -o $@ $<; fi
+
+runtime: $(RUNTIME_VENV)/.installed $(LIBCUDA_STUB_DIR)/libcuda.so.1 ## SGLang's runtime (torch and friends, about 11 GB) for VERSION
+
+test-tools: tools ## toolchain tests (no SGLang runtime needed)
+	$(TOOLS_PY) -m pytest -q tests/toolchain $(PYTEST_ARGS)
+
+test-unit: apply runtime ## unit tests of the patched SGLang code on CPU tensors
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+test-warmup: apply runtime ## real server: warmup plus one prefill with dumping on, and the negative controls
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q tests/server/test_warmup.py $(PYTEST_ARGS)
+
+test: test-tools test-unit ## everything CI runs
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q tests/server $(PYTEST_ARGS)
+
+demo: apply runtime ## the main job on the embedded tiny model: dump a few prompts and summarise the files
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.demo
+
+clean: ## remove checkouts, venvs and caches
+	rm -rf .sglang .venv .cache
