@@ -9,6 +9,8 @@ Content is never matched fuzzily.
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from unidiff.constants import LINE_TYPE_ADDED, LINE_TYPE_CONTEXT, LINE_TYPE_NO_NEWLINE, LINE_TYPE_REMOVED
+
 from scripts.series import Patch
 
 MAX_OFFSET = 20
@@ -60,9 +62,28 @@ def _find(lines: List[str], expected: List[str], anchor: int) -> Optional[int]:
     return None
 
 
+def _side_lines(hunk, kept_types) -> List[str]:
+    # unidiff keeps the "\n" of a line that "\ No newline at end of file" follows; the file has none.
+    lines = list(hunk)
+    side = []
+    for line, following in zip(lines, lines[1:] + [None]):
+        if line.line_type in kept_types:
+            ends_without_newline = following is not None and following.line_type == LINE_TYPE_NO_NEWLINE
+            side.append(line.value.removesuffix("\n") if ends_without_newline else line.value)
+    return side
+
+
+def _source_lines(hunk) -> List[str]:
+    return _side_lines(hunk, (LINE_TYPE_CONTEXT, LINE_TYPE_REMOVED))
+
+
+def _target_lines(hunk) -> List[str]:
+    return _side_lines(hunk, (LINE_TYPE_CONTEXT, LINE_TYPE_ADDED))
+
+
 def _sides(hunk, reverse: bool):
-    source = [line.value for line in hunk.source_lines()]
-    target = [line.value for line in hunk.target_lines()]
+    source = _source_lines(hunk)
+    target = _target_lines(hunk)
     source_anchor = _hunk_anchor(hunk.source_start, hunk.source_length)
     target_anchor = _hunk_anchor(hunk.target_start, hunk.target_length)
     if reverse:
@@ -85,7 +106,7 @@ def transform(files: Files, patch: Patch, reverse: bool = False) -> Tuple[bool, 
         lines = files.get(path)
         deletes = patched_file.is_added_file and reverse
         if patched_file.is_added_file:
-            whole = [l.value for hunk in patched_file for l in hunk.target_lines()]
+            whole = [line for hunk in patched_file for line in _target_lines(hunk)]
             if deletes:
                 matches = lines == whole
                 reports.append(

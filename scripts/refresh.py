@@ -8,7 +8,7 @@ import git
 
 from scripts.checkout import patch_commits
 from scripts.errors import ToolError
-from scripts.series import header_fields, split_header
+from scripts.series import REQUIRED_HEADER_FIELDS, header_fields, split_header
 from scripts.tree import Tree
 
 
@@ -33,13 +33,12 @@ def refresh(tree: Tree, series_dir: Path) -> List[str]:
     commits = patch_commits(tree)
     if not commits:
         raise ToolError(f"{tree.root} has no commits above upstream: nothing to refresh from.")
-    series_dir.mkdir(parents=True, exist_ok=True)
     today = datetime.date.today().isoformat()
-    names = []
+    rendered = {}  # every patch is rendered before any is written: a refused refresh writes nothing
     for commit in commits:
         stem = commit.summary.strip()
         header = commit.message.split("\n", 1)[1].strip("\n") + "\n" if "\n" in commit.message else ""
-        missing = [f for f in ("Description", "Forwarded", "Last-Update") if f not in header_fields(header)]
+        missing = [f for f in REQUIRED_HEADER_FIELDS if f not in header_fields(header)]
         if missing:
             raise ToolError(
                 f"commit {commit.hexsha[:10]} ({stem}) lacks DEP-3 fields {', '.join(missing)} in its message."
@@ -53,9 +52,11 @@ def refresh(tree: Tree, series_dir: Path) -> List[str]:
             _, old_diff = split_header(path.read_text())
             if old_diff != diff:
                 header = with_last_update(header, today)
-        path.write_text(render(header, diff))
-        names.append(name)
-    for stale in set(p.name for p in series_dir.glob("*.patch")) - set(names):
+        rendered[name] = render(header, diff)
+    series_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in rendered.items():
+        (series_dir / name).write_text(text)
+    for stale in set(p.name for p in series_dir.glob("*.patch")) - set(rendered):
         (series_dir / stale).unlink()
-    (series_dir / "series").write_text("".join(f"{name}\n" for name in names))
-    return names
+    (series_dir / "series").write_text("".join(f"{name}\n" for name in rendered))
+    return list(rendered)

@@ -10,6 +10,7 @@ from unidiff import PatchSet, UnidiffParseError
 from scripts.errors import USAGE, ToolError
 
 DIFF_START = re.compile(r"^(diff --git |--- )", re.MULTILINE)
+HUNK_HEADER = re.compile(r"^@@", re.MULTILINE)  # in a diff, only hunk headers start with "@@"
 REQUIRED_HEADER_FIELDS = ("Description", "Forwarded", "Last-Update")
 
 
@@ -76,10 +77,18 @@ def parse_patch(path: Path) -> Patch:
         raise ToolError(f"{path}: cannot parse the diff: {e}", USAGE)
     if not diff or len(patchset) == 0:
         raise ToolError(f"{path}: holds no diff.", USAGE)
+    # unidiff skips a line it cannot read as a hunk header, and the hunk with it.
+    if sum(len(patched_file) for patched_file in patchset) != len(HUNK_HEADER.findall(diff)):
+        raise ToolError(f"{path}: a hunk header is not of the form `@@ -start,count +start,count @@`.", USAGE)
     for patched_file in patchset:
         if patched_file.is_removed_file or patched_file.is_rename:
             raise ToolError(
                 f"{path}: {patched_file.path}: removing or renaming files is not supported.",
+                USAGE,
+            )
+        if len(patched_file) == 0 and not patched_file.is_added_file:
+            raise ToolError(
+                f"{path}: {patched_file.path}: no hunk to apply (binary and mode-only changes are not supported).",
                 USAGE,
             )
         for hunk in patched_file:

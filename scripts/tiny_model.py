@@ -1,0 +1,103 @@
+"""Generate reduced-layer DeepSeek-V3 models locally: random weights, fixed seed, no model hub.
+
+    python -m scripts.tiny_model --layers 3 [--no-q-lora] [--widths cpu|deepseek]
+
+prints the model folder (cached under .cache/models/). `cpu` widths are the smallest
+that SGLang's CPU path runs; `deepseek` keeps DeepSeek-V3's real attention widths
+(kv_lora_rank 512, qk_rope_head_dim 64), which SGLang's Triton MLA kernels on the GPU
+require, and can take DeepSeek-V3's hidden size for compute-bound benchmarks.
+"""
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional
+
+from scripts.lock import REPO_ROOT
+
+MODEL_CACHE = REPO_ROOT / ".cache" / "models"
+SEED = 20261129
+
+WIDTHS = {
+    "cpu": dict(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96,
+        kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+        n_routed_experts=8, num_experts_per_tok=2,
+    ),
+    "deepseek": dict(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        n_routed_experts=4, num_experts_per_tok=2,
+    ),
+}
+
+# Keys DeepSeek's published config.json has and transformers' config class does not
+# write; SGLang reads them.
+SGLANG_KEYS = dict(
+    moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", ep_size=1,
+    num_nextn_predict_layers=0,
+)
+# SGLang's CPU rotary path requires rope_scaling; the real models use yarn.
+YARN = {
+    "type": "yarn", "rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+    "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+}
+
+
+def model_name(layers: int, q_lora: bool, widths: str, hidden_size: Optional[int]) -> str:
+    hidden = f"-h{hidden_size}" if hidden_size else ""
+    return f"deepseek-v3-{widths}{hidden}-L{layers}-{'q' if q_lora else 'noq'}lora"
+
+
+def ensure_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
+                 hidden_size: Optional[int] = None, cache: Path = MODEL_CACHE) -> Path:
+    """The model folder, generated on first use."""
+    path = cache / model_name(layers, q_lora, widths, hidden_size)
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return path
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    shape = dict(WIDTHS[widths])
+    if not q_lora:
+        shape["q_lora_rank"] = None
+    if hidden_size:
+        shape["hidden_size"] = hidden_size
+        shape["intermediate_size"] = hidden_size * 2
+    config = DeepseekV3Config(
+        vocab_size=1024, num_hidden_layers=layers, n_shared_experts=1, n_group=1,
+        topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=16384, rope_scaling=YARN, rope_theta=10000.0,
+        tie_word_embeddings=False, torch_dtype="bfloat16", **shape,
+    )
+    torch.manual_seed(SEED)
+    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            gate.e_score_correction_bias.zero_()
+    staging = path.with_name(path.name + ".tmp")
+    model.save_pretrained(staging, safe_serialization=True)
+    config_path = staging / "config.json"
+    saved = json.loads(config_path.read_text())
+    saved.update(SGLANG_KEYS)
+    saved["architectures"] = ["DeepseekV3ForCausalLM"]
+    config_path.write_text(json.dumps(saved, indent=2))
+    staging.rename(path)
+    return path
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--no-q-lora", action="store_true", help="q_lora_rank unset (DeepSeek-V2-Lite style)")
+    parser.add_argument("--widths", choices=sorted(WIDTHS), default="cpu")
+    parser.add_argument("--hidden-size", type=int, default=None, help="e.g. 7168, DeepSeek-V3's")
+    args = parser.parse_args(argv)
+    print(ensure_model(args.layers, not args.no_q_lora, args.widths, args.hidden_size))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""A real SGLang server for tests: launch it on the patched tree, wait for warmup, talk to it."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+READY_LINE = "The server is fired up and ready to roll!"
+
+
+def has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def device_flags() -> List[str]:
+    if has_gpu():
+        return ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+    # SGLang's CPU path: torch_native attention, no CUDA graphs.
+    return ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+
+
+def runtime_env(tree: Optional[Path] = None, **extra: str) -> Dict[str, str]:
+    """The environment a server runs in: the patched tree first on the path, then the repo
+    (for the oracle hooks); hidden-state dump variables are only those passed in."""
+    tree = tree or Path(os.environ["SGLANG_CHECKOUT"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_HS_DUMP_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), str(REPO_ROOT)])
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if not has_gpu():
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerFailed(AssertionError):
+    pass
+
+
+class Server:
+    def __init__(self, model: Path, log_path: Path, env: Dict[str, str], extra_args: List[str] = ()):
+        self.port = free_port()
+        self.log_path = log_path
+        self.args = [
+            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+            "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-total-tokens", "16384", "--mem-fraction-static", "0.5", *device_flags(), *extra_args,
+        ]
+        self.env = env
+        self.process: Optional[subprocess.Popen] = None
+
+    def start(self) -> "Server":
+        self.log_file = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.args, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                        start_new_session=True, cwd=REPO_ROOT)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 600) -> "Server":
+        """Return once warmup is done; raise ServerFailed (with the log) if the server exits or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if READY_LINE in self.log():
+                return self
+            if self.process.poll() is not None:
+                raise ServerFailed(f"server exited with code {self.process.returncode} before it was ready:\n"
+                                   f"{self.log()[-6000:]}")
+            time.sleep(0.5)
+        raise ServerFailed(f"server not ready after {timeout:.0f}s:\n{self.log()[-6000:]}")
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise ServerFailed(f"server still running after {timeout:.0f}s:\n{self.log()[-6000:]}")
+
+    def post(self, path: str, body: dict, timeout: float = 300) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+
+    def generate(self, input_ids, max_new_tokens: int = 2, **extra) -> dict:
+        return self.post("/generate", {"input_ids": input_ids,
+                                       "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+                                       **extra})
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)
+        self.log_file.close()
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        # the scheduler may outlive the launcher in its own group members: make sure all are gone
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for_manifest(dump_dir: Path, count: int, timeout: float = 60) -> List[dict]:
+    """The manifest once it has `count` lines (the writer runs behind the forward)."""
+    from sglang.srt.managers.hidden_states_dump import read_manifest
+
+    deadline = time.monotonic() + timeout
+    while True:
+        entries = read_manifest(str(dump_dir))
+        if len(entries) >= count or time.monotonic() > deadline:
+            return entries
+        time.sleep(0.2)

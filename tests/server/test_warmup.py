@@ -1,0 +1,128 @@
+"""make test-warmup: a real server does its warmup and one prefill with dumping on.
+
+The dumped values must equal SGLang's own computation taken independently (forward hooks,
+tests/server/oracle_hooks.py), and the layer-0 capture transformers' embedding output.
+Negative controls: the naive patch must fail the same warmup check, and invalid settings
+must stop the server at startup with a clear message.
+"""
+
+import os
+import random
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang.srt.managers.hidden_states_dump import load_dump
+from tests.server import oracle_hooks
+from tests.server.harness import REPO_ROOT, Server, ServerFailed, runtime_env, wait_for_manifest
+
+FIXTURES = REPO_ROOT / "tests" / "fixtures"
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.float(), expected.float()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def eagle3_default_layers(num_layers: int):
+    return sorted({min(max(i, 0), num_layers) for i in (3, num_layers // 2 + 1, num_layers - 2)})
+
+
+def run_one_prefill(model: Path, tmp_path: Path, num_layers: int, layers_env, prompt_len: int):
+    dump_dir, oracle_dir = tmp_path / "dump", tmp_path / "oracle"
+    oracle_dir.mkdir()
+    extra = {"SGLANG_HS_DUMP_DIR": str(dump_dir)}
+    if layers_env is not None:
+        extra["SGLANG_HS_DUMP_LAYERS"] = layers_env
+    prompt = random.Random(prompt_len).sample(range(5, 1000), prompt_len)
+    server = Server(model, tmp_path / "server.log", runtime_env(**extra),
+                    ["--forward-hooks", oracle_hooks.hook_specs(oracle_dir, num_layers)])
+    with server:
+        server.wait_ready()
+        assert not (dump_dir / "manifest.jsonl").exists(), "the server's warmup request was dumped"
+        server.generate(prompt, max_new_tokens=2)
+        manifest = wait_for_manifest(dump_dir, 1)
+    return prompt, dump_dir, manifest, oracle_hooks.residual_streams(oracle_dir, num_layers, prompt_len)
+
+
+def check_dump(prompt, dump_dir, manifest, streams, layers, hidden_size):
+    assert len(manifest) == 1, manifest
+    entry = manifest[0]
+    assert entry["num_tokens"] == len(prompt)
+    assert entry["layers"] == layers
+    assert entry["hidden_size"] == hidden_size and entry["dtype"] == "bfloat16"
+    files = sorted(p.name for p in dump_dir.iterdir() if p.suffix == ".safetensors")
+    assert files == [entry["file"]], "exactly one complete file, named in the manifest"
+    record = load_dump(str(dump_dir / entry["file"]))
+    assert record.metadata["rid"] == entry["rid"]
+    assert record.layer_ids == layers
+    assert record.metadata["sglang_version"] and record.metadata["series_version"]
+    assert record.token_ids.dtype == torch.int64 and record.token_ids.tolist() == prompt
+    assert record.hidden_states.shape == (len(prompt), len(layers), hidden_size)
+    assert record.hidden_states.dtype == torch.bfloat16
+    assert record.last_hidden_state.shape == (len(prompt), hidden_size)
+    for k, layer_id in enumerate(layers):
+        expected = streams[str(layer_id)]
+        assert expected.norm() > 0
+        error = relative_error(record.hidden_states[:, k], expected)
+        assert error <= 1e-2, f"layer {layer_id}: relative error {error:.3g} against SGLang's own value"
+    assert relative_error(record.last_hidden_state, streams["last"]) <= 1e-2
+    return record
+
+
+def test_every_capture_point_in_configured_order(model_l3, tmp_path):
+    layers = [3, 0, 2, 1]  # L, the embedding, and the ones between, in an order of our choosing
+    prompt, dump_dir, manifest, streams = run_one_prefill(
+        model_l3, tmp_path, 3, ",".join(map(str, layers)), prompt_len=37)
+    record = check_dump(prompt, dump_dir, manifest, streams, layers, hidden_size=256)
+
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_l3, torch_dtype=torch.bfloat16)
+    with torch.no_grad():
+        embedding = reference.model.embed_tokens(torch.tensor(prompt))
+    assert torch.equal(record.hidden_states[:, layers.index(0)], embedding)
+
+
+def test_default_layers_without_q_lora(model_l5_no_q_lora, tmp_path):
+    prompt, dump_dir, manifest, streams = run_one_prefill(
+        model_l5_no_q_lora, tmp_path, 5, None, prompt_len=53)
+    check_dump(prompt, dump_dir, manifest, streams, eagle3_default_layers(5), hidden_size=256)
+
+
+@pytest.fixture
+def naive_tree(tmp_path):
+    """A scratch checkout of upstream with the seed's naive patch instead of this series."""
+    checkout = Path(os.environ["SGLANG_CHECKOUT"])
+    tree = tmp_path / "naive"
+    subprocess.run(["git", "-C", checkout, "worktree", "add", "--detach", "-q", tree, "upstream"], check=True)
+    subprocess.run(["git", "-C", tree, "apply", FIXTURES / "naive-capture-0.5.9.patch"], check=True)
+    yield tree
+    subprocess.run(["git", "-C", checkout, "worktree", "remove", "--force", tree], check=True)
+
+
+def test_naive_patch_fails_the_warmup_check(model_l3, naive_tree, tmp_path):
+    with Server(model_l3, tmp_path / "server.log", runtime_env(tree=naive_tree)) as server:
+        with pytest.raises(ServerFailed, match="too many values to unpack"):
+            server.wait_ready(timeout=300)
+
+
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        ("SGLANG_HS_DUMP_LAYERS", "1,4", r"\[4\] out of range; the model has L=3 layers, so valid ids are 0..3"),
+        ("SGLANG_HS_DUMP_DIR", "{tmp}/a-file/dump", "is not a writable directory"),
+    ],
+)
+def test_invalid_settings_stop_the_server_at_startup(model_l3, tmp_path, variable, value, message):
+    (tmp_path / "a-file").write_text("not a directory")
+    extra = {"SGLANG_HS_DUMP_DIR": str(tmp_path / "dump"), variable: value.format(tmp=tmp_path)}
+    with Server(model_l3, tmp_path / "server.log", runtime_env(**extra)) as server:
+        code = server.wait_exit(timeout=240)
+        log = server.log()
+    assert code != 0
+    assert re.search(message, log), log[-3000:]
+    assert "ready to roll" not in log

@@ -1,0 +1,82 @@
+"""refresh: the series regenerated from the pinned checkout's commits, DEP-3 headers kept."""
+
+import datetime
+
+import git
+import pytest
+
+from scripts import apply as ops
+from scripts.errors import ToolError
+from scripts.refresh import refresh
+from scripts.series import header_fields, split_header
+
+from .helpers import FIXTURE_SERIES, LOGITS_PROCESSOR, PATCH_NAMES, UPSTREAM, replace_in, snapshot
+
+
+@pytest.fixture
+def patched(pinned, lock):
+    """The pinned checkout with the fixture series applied: upstream plus one commit per patch."""
+    ops.apply(lock=lock)
+    return pinned
+
+
+def test_an_unchanged_checkout_refreshes_to_the_same_bytes(patched, release):
+    assert refresh(patched, release.series_dir) == PATCH_NAMES
+    for name in PATCH_NAMES:
+        assert (release.series_dir / name).read_bytes() == (FIXTURE_SERIES / name).read_bytes()
+    assert (release.series_dir / "series").read_text() == "".join(f"{name}\n" for name in PATCH_NAMES)
+
+
+def test_a_changed_commit_gets_a_new_diff_and_last_update_with_its_header_kept(patched, release, lock, package_tree):
+    replace_in(patched.root / LOGITS_PROCESSOR, "submit(forward_batch, aux_pruned_states)",
+               "submit(forward_batch, aux_pruned_states, logits)")
+    git.Repo(patched.root).git.commit("--quiet", "--all", "--amend", "--no-edit")
+
+    refresh(patched, release.series_dir)
+
+    for name in PATCH_NAMES[:2]:
+        assert (release.series_dir / name).read_bytes() == (FIXTURE_SERIES / name).read_bytes()
+    old_header, old_diff = split_header((FIXTURE_SERIES / PATCH_NAMES[2]).read_text())
+    header, diff = split_header((release.series_dir / PATCH_NAMES[2]).read_text())
+    today = datetime.date.today().isoformat()
+    assert header == old_header.replace("Last-Update: 2025-06-04", f"Last-Update: {today}")
+    assert header_fields(header)["Description"] == "Hand the aux hidden states to the dump from the logits processor"
+    assert header_fields(header)["Forwarded"] == "no"
+    assert diff != old_diff
+    assert "+            hidden_state_dump.submit(forward_batch, aux_pruned_states, logits)\n" in diff
+
+    ops.apply(sglang_dir=package_tree.root, lock=lock)
+    assert snapshot(package_tree.root) == snapshot(patched.root)
+    ops.revert(sglang_dir=package_tree.root, lock=lock)
+    assert snapshot(package_tree.root) == snapshot(UPSTREAM)
+
+
+def test_a_patch_without_a_commit_leaves_the_series(patched, release):
+    upstreamed = release.series_dir / "0004-fixed-upstream.patch"
+    upstreamed.write_text((FIXTURE_SERIES / PATCH_NAMES[0]).read_text())
+    assert refresh(patched, release.series_dir) == PATCH_NAMES
+    assert not upstreamed.exists()
+    assert "0004" not in (release.series_dir / "series").read_text()
+
+
+def test_a_commit_without_a_dep3_header_is_refused_and_nothing_is_written(patched, release):
+    (patched.root / LOGITS_PROCESSOR).write_text("# quick fix\n")
+    git.Repo(patched.root).git.commit("--quiet", "--all", "-m", "0004-quick-fix")
+    (release.series_dir / PATCH_NAMES[0]).unlink()  # a refresh that went ahead would write it back
+    before = snapshot(release.series_dir)
+    with pytest.raises(ToolError, match=r"\(0004-quick-fix\) lacks DEP-3 fields Description, Forwarded, Last-Update"):
+        refresh(patched, release.series_dir)
+    assert snapshot(release.series_dir) == before
+
+
+def test_a_checkout_without_patch_commits_has_nothing_to_refresh(pinned, release):
+    before = snapshot(release.series_dir)
+    with pytest.raises(ToolError, match="no commits above upstream"):
+        refresh(pinned, release.series_dir)
+    assert snapshot(release.series_dir) == before
+
+
+def test_refresh_patches_from_the_command_line(patched, release, cli):
+    (release.series_dir / PATCH_NAMES[0]).unlink()
+    assert cli("refresh-patches") == (0, "wrote 3 patches and the series file\n", "")
+    assert (release.series_dir / PATCH_NAMES[0]).read_bytes() == (FIXTURE_SERIES / PATCH_NAMES[0]).read_bytes()
