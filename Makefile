@@ -18,7 +18,7 @@ LIBCUDA_STUB_DIR := .venv/libcuda-stub
 SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if $(ALLOW_UNLOCKED),--allow-unlocked)
 # How tests and the demo run the patched tree: the runtime venv holds upstream SGLang and its
 # dependencies; the patched checkout goes first on the path.
-RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) RUNTIME_PYTHON=$(abspath $(RUNTIME_PY)) \
+RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
 .PHONY: help tools runtime apply verify revert refresh-patches test test-tools test-warmup test-unit demo clean

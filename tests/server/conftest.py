@@ -1,13 +1,6 @@
-import os
-import sys
-from pathlib import Path
-
 import pytest
 
-# The patched SGLang tree under test, so that tests read dumps with its own reader.
-sys.path.insert(0, os.environ["SGLANG_CHECKOUT"])
-
-from scripts.tiny_model import ensure_model  # noqa: E402
+from scripts.tiny_model import ensure_model
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import torch
 
 from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
-from tests.server.harness import REPO_ROOT, Server, ServerFailed, runtime_env, wait_for_manifest
+from scripts.server import REPO_ROOT, Server, ServerFailed, runtime_env, wait_for_manifest
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 

@@ -1,4 +1,6 @@
-"""A real SGLang server for tests: launch it on the patched tree, wait for warmup, talk to it."""
+"""A real SGLang server on the patched tree: launch it, wait for warmup, talk to it, stop it.
+
+Used by the demo, the server tests and the benchmarks."""
 
 import json
 import os
@@ -12,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_LINE = "The server is fired up and ready to roll!"
 
 

@@ -1,0 +1,103 @@
+"""Summarise a hidden-states dump directory and validate every file against the manifest.
+
+    python -m scripts.inspect_dump DUMP_DIR
+
+Prints requests, tokens, bytes, layers and dtype; exits 1 if a manifest line names a file
+that is missing or does not match it, 0 otherwise. Files the manifest does not name (a
+server killed between the rename and the manifest line) are listed but are not errors.
+"""
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List
+
+from sglang.srt.managers.hidden_states_dump import MANIFEST_NAME, TEMP_PREFIX, load_dump, read_manifest
+
+
+@dataclass
+class Summary:
+    requests: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    layers: set = field(default_factory=set)
+    hidden_sizes: set = field(default_factory=set)
+    dtypes: set = field(default_factory=set)
+    problems: List[str] = field(default_factory=list)
+    unlisted: List[str] = field(default_factory=list)
+
+
+def check_entry(dump_dir: Path, entry: dict) -> List[str]:
+    path = dump_dir / entry["file"]
+    if Path(entry["file"]).name != entry["file"]:
+        return [f"{entry['file']!r}: not a plain file name"]
+    if not path.is_file():
+        return [f"{entry['file']}: missing"]
+    try:
+        record = load_dump(str(path))
+    except Exception as e:
+        return [f"{entry['file']}: does not load: {e}"]
+    num_tokens, num_layers, hidden_size = record.hidden_states.shape
+    expected = {
+        "num_tokens": (entry["num_tokens"], num_tokens),
+        "token_ids": (entry["num_tokens"], record.token_ids.numel()),
+        "last_hidden_state": ((entry["num_tokens"], entry["hidden_size"]), tuple(record.last_hidden_state.shape)),
+        "layers": (entry["layers"], record.layer_ids),
+        "layer count": (len(entry["layers"]), num_layers),
+        "hidden_size": (entry["hidden_size"], hidden_size),
+        "dtype": (entry["dtype"], str(record.hidden_states.dtype).replace("torch.", "")),
+        "rid": (entry["rid"], record.metadata.get("rid")),
+    }
+    return [f"{entry['file']}: {what}: manifest says {want!r}, file has {have!r}"
+            for what, (want, have) in expected.items() if want != have]
+
+
+def summarise(dump_dir: Path) -> Summary:
+    summary = Summary()
+    listed = set()
+    for entry in read_manifest(str(dump_dir)):
+        listed.add(entry["file"])
+        summary.requests += 1
+        summary.tokens += entry["num_tokens"]
+        summary.layers.add(tuple(entry["layers"]))
+        summary.hidden_sizes.add(entry["hidden_size"])
+        summary.dtypes.add(entry["dtype"])
+        path = dump_dir / entry["file"]
+        summary.bytes += path.stat().st_size if path.is_file() else 0
+        summary.problems += check_entry(dump_dir, entry)
+    summary.unlisted = sorted(
+        p.name for p in dump_dir.iterdir()
+        if p.name not in listed and p.name != MANIFEST_NAME and not p.name.startswith(TEMP_PREFIX)
+    )
+    return summary
+
+
+def report(dump_dir: Path, summary: Summary) -> str:
+    lines = [
+        f"dump: {dump_dir}",
+        f"requests: {summary.requests}  tokens: {summary.tokens}  bytes: {summary.bytes}",
+        f"layers: {', '.join(str(list(l)) for l in sorted(summary.layers)) or '-'}  "
+        f"hidden_size: {', '.join(map(str, sorted(summary.hidden_sizes))) or '-'}  "
+        f"dtype: {', '.join(sorted(summary.dtypes)) or '-'}",
+        f"files valid: {summary.requests - len({p.split(':')[0] for p in summary.problems})} of {summary.requests}",
+    ]
+    lines += [f"PROBLEM {p}" for p in summary.problems]
+    lines += [f"not in the manifest (ignored by readers): {name}" for name in summary.unlisted]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dump_dir", type=Path)
+    args = parser.parse_args(argv)
+    if not args.dump_dir.is_dir():
+        print(f"error: {args.dump_dir} is not a directory", file=sys.stderr)
+        return 2
+    summary = summarise(args.dump_dir)
+    print(report(args.dump_dir, summary))
+    return 1 if summary.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
