@@ -8,9 +8,10 @@ SGLANG_DIR ?=
 ALLOW_UNLOCKED ?=
 PYTEST_ARGS ?=
 
-VERSION := $(or $(SGLANG_VERSION),$(shell $(PYTHON) -c 'import tomllib; print(tomllib.load(open("sglang.lock", "rb"))["default"])'))
+VERSION := $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.lock default))
 TOOLS_VENV := .venv/tools
 TOOLS_PY := $(TOOLS_VENV)/bin/python
+RUNTIME_PYTHON_VERSION := $(shell $(PYTHON) -m scripts.lock python $(VERSION))
 RUNTIME_VENV := .venv/sglang-$(VERSION)
 RUNTIME_PY := $(RUNTIME_VENV)/bin/python
 CHECKOUT := $(or $(SGLANG_DIR),.sglang/$(VERSION))
@@ -46,7 +47,7 @@ refresh-patches: tools ## regenerate patches/v<version>/ from the pinned checkou
 	$(TOOLS_PY) -m scripts refresh-patches $(SCRIPT_ARGS)
 
 $(RUNTIME_VENV)/.installed: requirements/runtime.txt
-	$(PYTHON) -m venv $(RUNTIME_VENV)
+	$$(scripts/find-python $(RUNTIME_PYTHON_VERSION)) -m venv $(RUNTIME_VENV)
 	$(RUNTIME_PY) -m pip install --quiet "sglang==$(VERSION)" -r requirements/runtime.txt
 	touch $@
 

@@ -14,7 +14,8 @@ from scripts.lock import Release, sha256_file
 WHEEL_SELECTORS = [
     "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
     "--abi", "cp312", "--abi", "abi3", "--abi", "none",
-    "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
+    "--platform", "manylinux_2_34_x86_64", "--platform", "manylinux_2_28_x86_64",
+    "--platform", "manylinux2014_x86_64",
     "--platform", "any",
 ]
 

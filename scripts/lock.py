@@ -28,6 +28,7 @@ class Release:
     # package root ("sglang/srt/..."); files the series creates are not listed.
     files: Dict[str, str]
     root: Path  # the folder of the lock file, which holds patches/ and .sglang/ too
+    python: str = "3.11"  # the CPython version its runtime environment needs
 
     @property
     def series_dir(self) -> Path:
@@ -87,6 +88,7 @@ def load_lock(path: Path = LOCK_PATH) -> Lock:
                 artifact=Artifact(**entry["artifact"]),
                 files=dict(entry["files"]),
                 root=path.resolve().parent,
+                python=entry.get("python", "3.11"),
             )
             for version, entry in data["releases"].items()
         }
@@ -95,3 +97,21 @@ def load_lock(path: Path = LOCK_PATH) -> Lock:
         raise ToolError(f"{path} lacks a required key or has a wrong one: {e}", USAGE)
     lock.release(lock.default)
     return lock
+
+
+def main(argv=None) -> None:
+    """For the Makefile: `python -m scripts.lock default` or `python -m scripts.lock python VERSION`."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    lock = load_lock()
+    if args == ["default"]:
+        print(lock.default)
+    elif len(args) == 2 and args[0] == "python":
+        print(lock.release(args[1]).python)
+    else:
+        raise SystemExit("usage: python -m scripts.lock default | python VERSION")
+
+
+if __name__ == "__main__":
+    main()

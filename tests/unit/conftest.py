@@ -1,0 +1,12 @@
+import os
+import sys
+
+# The patched SGLang tree under test goes first on the path: the runtime venv holds
+# upstream SGLang, which must not be the one these tests import.
+sys.path.insert(0, os.environ["SGLANG_CHECKOUT"])
+
+import sglang  # noqa: E402
+
+assert os.path.realpath(sglang.__file__).startswith(
+    os.path.realpath(os.environ["SGLANG_CHECKOUT"]) + os.sep
+), f"imported {sglang.__file__}, not the checkout {os.environ['SGLANG_CHECKOUT']}"

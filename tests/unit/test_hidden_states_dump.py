@@ -1,0 +1,607 @@
+"""sglang/srt/managers/hidden_states_dump.py (patch 0003): its configuration checks, and
+the dumper end to end on the CPU, read back with the module's own reader.
+
+The dumper is driven the way the model drives it, one `capture` per forward, with a
+stand-in model whose every row says which token and which layer it belongs to: row
+values are `token_id * 1000 + layer_id * 10 + column`, and the final normed state is
+its negative. Token ids are distinct across all prompts of a test, so a row taken from
+the wrong request or position cannot match.
+"""
+
+import json
+import os
+import re
+import time
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+
+from sglang.srt.managers import hidden_states_dump
+from sglang.srt.managers.hidden_states_dump import (
+    DumpRequest,
+    HiddenStatesDumper,
+    check_dump_dir,
+    check_server_args,
+    default_layer_ids,
+    load_dump,
+    parse_layer_ids,
+    read_manifest,
+    requests_to_dump,
+    wants_dump,
+)
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+HIDDEN_SIZE = 3
+NUM_LAYERS = 4
+WAIT_TIMEOUT_S = 30.0
+FILE_NAME = re.compile(r"^\d{8}T\d{6}-[0-9a-f]{8}-\d{9}\.safetensors$")
+
+
+# --- parse_layer_ids ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, num_layers, expected",
+    [
+        ("3,0,2", 4, [3, 0, 2]),
+        ("0,4", 4, [0, 4]),
+        ("60", 61, [60]),
+        ("61,0", 61, [61, 0]),
+        (" 1 , 2 ", 4, [1, 2]),
+    ],
+)
+def test_parse_layer_ids_keeps_the_given_order(spec, num_layers, expected):
+    assert parse_layer_ids(spec, num_layers) == expected
+
+
+def test_parse_layer_ids_unset_gives_the_default():
+    assert parse_layer_ids(None, 61) == [3, 31, 59]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "5",  # beyond L
+        "0,62",
+        "-1",
+        "1,2,1",  # duplicate
+        "3,3",
+        "",  # empty
+        "   ",
+        "a",  # not integers
+        "1.5",
+        "1,,2",
+        "1;2",
+        "[1, 2]",
+    ],
+)
+def test_parse_layer_ids_refuses_with_the_valid_range(spec):
+    num_layers = 61 if "62" in spec else 4
+    with pytest.raises(ValueError) as error:
+        parse_layer_ids(spec, num_layers)
+    message = str(error.value)
+    assert f"L={num_layers}" in message
+    assert f"0..{num_layers}" in message
+
+
+# --- default_layer_ids -------------------------------------------------------------
+
+
+def test_default_layer_ids_are_eagle3s():
+    assert default_layer_ids(61) == [3, 31, 59]
+
+
+@pytest.mark.parametrize("num_layers", range(1, 9))
+def test_default_layer_ids_of_shallow_models_are_valid(num_layers):
+    ids = default_layer_ids(num_layers)
+
+    assert ids == sorted(set(ids))
+    assert all(0 <= i <= num_layers for i in ids)
+    assert parse_layer_ids(",".join(map(str, ids)), num_layers) == ids
+
+
+# --- wants_dump / requests_to_dump -------------------------------------------------
+
+
+def make_req(rid, prompt=(1, 2, 3), output_ids=()):
+    req = Req(rid, "", list(prompt), SamplingParams(max_new_tokens=4))
+    req.output_ids.extend(output_ids)
+    return req
+
+
+@pytest.mark.parametrize(
+    "rid, output_ids, dumped",
+    [
+        ("client-1", (), True),
+        ("WARMUP_1700000000.0", (), False),
+        ("HEALTH_CHECK_1700000000", (), False),
+        ("HEALTH_CHECK", (), False),
+        ("x-WARMUP_1", (), True),  # only a prefix marks the server's own requests
+        ("warmup_1", (), True),
+        # A retracted request prefills again, with the tokens it had generated.
+        ("client-2", (7, 8), False),
+    ],
+)
+def test_wants_dump(rid, output_ids, dumped):
+    assert wants_dump(make_req(rid, output_ids=output_ids)) is dumped
+
+
+def test_requests_to_dump_follows_the_batch_order():
+    reqs = [
+        make_req("a", prompt=(1, 2, 3, 4)),
+        make_req("WARMUP_1"),
+        make_req("b", prompt=(5,)),
+        make_req("c", output_ids=(9,)),
+        make_req("HEALTH_CHECK_2"),
+    ]
+
+    assert requests_to_dump(reqs) == [
+        DumpRequest("a", 4),
+        None,
+        DumpRequest("b", 1),
+        None,
+        None,
+    ]
+
+
+# --- check_dump_dir / check_server_args --------------------------------------------
+
+
+def test_check_dump_dir_creates_a_missing_directory(tmp_path):
+    dump_dir = tmp_path / "a" / "b"
+    check_dump_dir(str(dump_dir))
+
+    assert dump_dir.is_dir()
+    assert list(dump_dir.iterdir()) == []
+
+
+def test_check_dump_dir_refuses_a_path_below_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a writable directory"):
+        check_dump_dir(str(tmp_path / "file" / "dump"))
+
+
+def test_check_dump_dir_refuses_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a writable directory"):
+        check_dump_dir(str(tmp_path / "file"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_check_dump_dir_refuses_a_read_only_directory(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match="not a writable directory"):
+            check_dump_dir(str(tmp_path))
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def server_args(**overrides):
+    plain = dict(
+        pp_size=1,
+        speculative_algorithm=None,
+        enable_two_batch_overlap=False,
+        enable_piecewise_cuda_graph=False,
+    )
+    return SimpleNamespace(**{**plain, **overrides})
+
+
+def test_check_server_args_accepts_a_plain_config():
+    check_server_args(server_args())
+    check_server_args(server_args(tp_size=8, dp_size=2, enable_dp_attention=True))
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (dict(pp_size=2), "--pp-size"),
+        (dict(speculative_algorithm="EAGLE3"), "speculative decoding"),
+        (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
+        (dict(enable_piecewise_cuda_graph=True), "--enable-piecewise-cuda-graph"),
+    ],
+)
+def test_check_server_args_refuses(overrides, named):
+    with pytest.raises(ValueError, match="SGLANG_HS_DUMP_DIR") as error:
+        check_server_args(server_args(**overrides))
+    assert named in str(error.value)
+
+
+def test_check_server_args_names_every_refusal():
+    with pytest.raises(ValueError) as error:
+        check_server_args(
+            server_args(
+                pp_size=2,
+                speculative_algorithm="EAGLE3",
+                enable_two_batch_overlap=True,
+                enable_piecewise_cuda_graph=True,
+            )
+        )
+    for named in (
+        "--pp-size",
+        "speculative decoding",
+        "--enable-two-batch-overlap",
+        "--enable-piecewise-cuda-graph",
+    ):
+        assert named in str(error.value)
+
+
+# --- the dumper, end to end ---------------------------------------------------------
+
+
+def layer_rows(token_ids: Sequence[int], layer_id: int) -> torch.Tensor:
+    """The stand-in model's residual stream entering `layer_id`, one row per token."""
+    tokens = torch.tensor(token_ids, dtype=torch.float32)[:, None]
+    return tokens * 1000 + layer_id * 10 + torch.arange(HIDDEN_SIZE)
+
+
+def final_rows(token_ids: Sequence[int]) -> torch.Tensor:
+    """The stand-in model's final normed hidden states."""
+    return -layer_rows(token_ids, 0)
+
+
+def start_dumper(dump_dir, layer_ids: List[int]) -> HiddenStatesDumper:
+    metadata = {
+        "format": hidden_states_dump.FORMAT_VERSION,
+        "layer_ids": json.dumps(layer_ids),
+        "num_layers": str(NUM_LAYERS),
+        "model_path": "/models/stand-in",
+        "sglang_version": "0.5.9",
+        "series_version": hidden_states_dump.SERIES_VERSION,
+    }
+    return HiddenStatesDumper(str(dump_dir), layer_ids, is_writer=True, metadata=metadata)
+
+
+# One request of a forward: what it dumps (None: not dumped), the token ids of its rows
+# in this forward, and how many of its tokens earlier forwards prefilled.
+Extend = Tuple[Optional[DumpRequest], Sequence[int], int]
+
+
+def run_forward(dumper: HiddenStatesDumper, batch: List[Extend]) -> None:
+    """One extend forward of the stand-in model, handed to the dumper as the model
+    does: aux hidden states in ascending layer order."""
+    token_ids = [token for _, tokens, _ in batch for token in tokens]
+    forward_batch = SimpleNamespace(
+        hidden_states_dump_requests=[request for request, _, _ in batch],
+        extend_prefix_lens_cpu=[prefix_len for _, _, prefix_len in batch],
+        extend_seq_lens_cpu=[len(tokens) for _, tokens, _ in batch],
+        input_ids=torch.tensor(token_ids, dtype=torch.int32),
+    )
+    aux = [layer_rows(token_ids, layer_id) for layer_id in sorted(dumper.layer_ids)]
+    dumper.capture(forward_batch, final_rows(token_ids), aux)
+
+
+def run_decode(dumper: HiddenStatesDumper, token_ids: Sequence[int]) -> None:
+    """A decode forward: the scheduler attaches no dump requests to it."""
+    forward_batch = SimpleNamespace(
+        hidden_states_dump_requests=None,
+        extend_prefix_lens_cpu=None,
+        extend_seq_lens_cpu=None,
+        input_ids=torch.tensor(token_ids, dtype=torch.int32),
+    )
+    aux = [layer_rows(token_ids, layer_id) for layer_id in sorted(dumper.layer_ids)]
+    dumper.capture(forward_batch, final_rows(token_ids), aux)
+
+
+def stats(dumper: HiddenStatesDumper) -> Dict[str, int]:
+    return {
+        name: int(value)
+        for name, value in (item.split("=") for item in dumper.stats.split())
+    }
+
+
+def wait_for_manifest(dump_dir, rids, timeout=WAIT_TIMEOUT_S) -> List[dict]:
+    """Poll the manifest until it names every rid in `rids`; on each poll, check that
+    every line names a complete file."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = read_manifest(str(dump_dir))
+        for line in lines:
+            load_dump(os.path.join(dump_dir, line["file"]))
+        if set(rids) <= {line["rid"] for line in lines}:
+            return lines
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"after {timeout}s the manifest names {[l['rid'] for l in lines]}, "
+                f"not all of {list(rids)}"
+            )
+        time.sleep(0.01)
+
+
+_sentinel_token = iter(range(900_000, 1_000_000))
+
+
+def wait_for_writer(dumper: HiddenStatesDumper, dump_dir) -> List[dict]:
+    """Everything submitted so far is on disk: the writer is one thread working in
+    order, so once a request dumped now appears, earlier ones are done. Returns the
+    manifest without that request."""
+    token = next(_sentinel_token)
+    rid = f"sentinel-{token}"
+    run_forward(dumper, [(DumpRequest(rid, 1), [token], 0)])
+    lines = wait_for_manifest(dump_dir, [rid])
+    return [line for line in lines if not line["rid"].startswith("sentinel-")]
+
+
+def assert_dumped(dump_dir, line, token_ids, layer_ids) -> None:
+    """The file of manifest line `line` holds exactly the prompt `token_ids`."""
+    record = load_dump(os.path.join(dump_dir, line["file"]))
+    expected_layers = torch.stack(
+        [layer_rows(token_ids, layer_id) for layer_id in layer_ids], dim=1
+    )
+    assert record.token_ids.dtype == torch.int64
+    assert record.token_ids.tolist() == list(token_ids)
+    assert torch.equal(record.hidden_states, expected_layers)
+    assert torch.equal(record.last_hidden_state, final_rows(token_ids))
+    assert record.layer_ids == layer_ids
+    assert record.metadata["rid"] == line["rid"]
+    assert line["num_tokens"] == len(token_ids)
+    assert line["layers"] == layer_ids
+    assert line["hidden_size"] == HIDDEN_SIZE
+    assert line["dtype"] == "float32"
+
+
+def assert_dir_holds_exactly(dump_dir, lines) -> None:
+    """The dump directory holds the manifest and the files it names, nothing else (no
+    temporary files)."""
+    names = sorted(os.listdir(dump_dir))
+    assert names == sorted([hidden_states_dump.MANIFEST_NAME] + [l["file"] for l in lines])
+    assert all(FILE_NAME.match(line["file"]) for line in lines)
+
+
+def prompt(first_token: int, length: int) -> List[int]:
+    return list(range(first_token, first_token + length))
+
+
+@pytest.fixture
+def dump_dir(tmp_path):
+    path = tmp_path / "dump"
+    path.mkdir()
+    return path
+
+
+def test_a_batch_dumps_each_requested_prompt(dump_dir):
+    layer_ids = [0, 2, 4]
+    dumper = start_dumper(dump_dir, layer_ids)
+    a, b, c, d, e = prompt(100, 4), prompt(200, 3), prompt(300, 2), prompt(400, 1), prompt(500, 5)
+
+    run_forward(
+        dumper,
+        [
+            (DumpRequest("a", 4), a, 0),
+            (None, b, 0),
+            (DumpRequest("c", 2), c, 0),
+            (None, d, 0),
+            (DumpRequest("e", 5), e, 0),
+        ],
+    )
+    lines = wait_for_manifest(dump_dir, ["a", "c", "e"])
+
+    assert sorted(line["rid"] for line in lines) == ["a", "c", "e"]
+    by_rid = {line["rid"]: line for line in lines}
+    for rid, tokens in (("a", a), ("c", c), ("e", e)):
+        assert_dumped(dump_dir, by_rid[rid], tokens, layer_ids)
+    assert_dir_holds_exactly(dump_dir, lines)
+    assert stats(dumper)["files"] == 3
+    assert stats(dumper)["tokens"] == 11
+
+
+def test_a_batch_of_one_request(dump_dir):
+    dumper = start_dumper(dump_dir, [1])
+    tokens = prompt(100, 6)
+
+    run_forward(dumper, [(DumpRequest("only", 6), tokens, 0)])
+    (line,) = wait_for_manifest(dump_dir, ["only"])
+
+    assert_dumped(dump_dir, line, tokens, [1])
+
+
+def test_the_configured_layer_order_is_kept(dump_dir):
+    layer_ids = [3, 0, 2]
+    dumper = start_dumper(dump_dir, layer_ids)
+    tokens = prompt(100, 3)
+
+    run_forward(dumper, [(DumpRequest("r", 3), tokens, 0)])
+    (line,) = wait_for_manifest(dump_dir, ["r"])
+
+    record = load_dump(os.path.join(dump_dir, line["file"]))
+    for k, layer_id in enumerate(layer_ids):
+        assert torch.equal(record.hidden_states[:, k], layer_rows(tokens, layer_id))
+    assert_dumped(dump_dir, line, tokens, layer_ids)
+
+
+def test_a_chunked_prefill_is_stitched_into_one_file(dump_dir):
+    layer_ids = [1, 3]
+    dumper = start_dumper(dump_dir, layer_ids)
+    long, other, late = prompt(100, 10), prompt(200, 2), prompt(300, 5)
+    request = DumpRequest("long", 10)
+
+    run_forward(dumper, [(request, long[0:4], 0)])
+    run_decode(dumper, [900, 901])
+    run_forward(dumper, [(request, long[4:8], 4), (DumpRequest("other", 2), other, 0)])
+    # "other" is written after the second chunk: "long" is not, it is incomplete.
+    lines = wait_for_manifest(dump_dir, ["other"])
+    assert [line["rid"] for line in lines] == ["other"]
+
+    run_forward(dumper, [(request, long[8:10], 8), (DumpRequest("late", 5), late[0:3], 0)])
+    run_forward(dumper, [(DumpRequest("late", 5), late[3:5], 3)])
+    lines = wait_for_manifest(dump_dir, ["other", "long", "late"])
+
+    by_rid = {line["rid"]: line for line in lines}
+    assert len(lines) == 3
+    assert_dumped(dump_dir, by_rid["long"], long, layer_ids)
+    assert_dumped(dump_dir, by_rid["late"], late, layer_ids)
+    assert_dumped(dump_dir, by_rid["other"], other, layer_ids)
+    assert_dir_holds_exactly(dump_dir, lines)
+    assert stats(dumper)["errors"] == stats(dumper)["discarded"] == 0
+
+
+def test_a_request_that_leaves_mid_chunking_is_discarded(dump_dir):
+    dumper = start_dumper(dump_dir, [2])
+    gone, other = prompt(100, 10), prompt(200, 3)
+
+    run_forward(dumper, [(DumpRequest("gone", 10), gone[0:4], 0)])
+    run_forward(dumper, [(DumpRequest("other", 3), other, 0)])
+
+    assert stats(dumper)["discarded"] == 1
+    lines = wait_for_writer(dumper, dump_dir)
+    assert [line["rid"] for line in lines] == ["other"]
+    # Its next chunk, were it to come back, has nothing to be stitched to.
+    run_forward(dumper, [(DumpRequest("gone", 10), gone[4:10], 4)])
+    assert stats(dumper)["errors"] == 1
+    assert [line["rid"] for line in wait_for_writer(dumper, dump_dir)] == ["other"]
+
+
+def test_a_chunk_without_its_start_gives_no_file(dump_dir):
+    dumper = start_dumper(dump_dir, [2])
+    tokens = prompt(100, 8)
+
+    run_forward(dumper, [(DumpRequest("late", 8), tokens[4:8], 4)])
+
+    assert stats(dumper)["errors"] == 1
+    assert wait_for_writer(dumper, dump_dir) == []
+
+
+def test_a_chunk_that_skips_positions_gives_no_file(dump_dir):
+    dumper = start_dumper(dump_dir, [2])
+    tokens = prompt(100, 9)
+
+    run_forward(dumper, [(DumpRequest("gap", 9), tokens[0:3], 0)])
+    run_forward(dumper, [(DumpRequest("gap", 9), tokens[6:9], 6)])
+
+    assert stats(dumper)["errors"] == 1
+    assert wait_for_writer(dumper, dump_dir) == []
+
+
+def test_rows_beyond_the_prompt_are_not_dumped(dump_dir):
+    layer_ids = [0, 4]
+    dumper = start_dumper(dump_dir, layer_ids)
+    mixed_prompt, decoding = prompt(100, 4), prompt(200, 7)
+    retracted = prompt(300, 5) + [390, 391]
+    chunked = prompt(400, 6) + [490, 491]
+
+    # A MIXED batch: a prefill next to a running request decoding its 8th token.
+    run_forward(
+        dumper,
+        [(DumpRequest("mixed", 4), mixed_prompt, 0), (None, [299], 7)],
+    )
+    # An extend longer than the prompt (prompt and two generated tokens, as a retracted
+    # request prefills again), and a chunk that runs past the end of its prompt.
+    run_forward(
+        dumper,
+        [(DumpRequest("past-end", 5), retracted, 0), (DumpRequest("chunked", 6), chunked[0:4], 0)],
+    )
+    run_forward(dumper, [(DumpRequest("chunked", 6), chunked[4:8], 4)])
+    # A request whose prompt is done has no prompt rows left.
+    run_forward(dumper, [(DumpRequest("done", 5), [599], 5)])
+    lines = wait_for_writer(dumper, dump_dir)
+
+    by_rid = {line["rid"]: line for line in lines}
+    assert sorted(by_rid) == ["chunked", "mixed", "past-end"]
+    assert_dumped(dump_dir, by_rid["mixed"], mixed_prompt, layer_ids)
+    assert_dumped(dump_dir, by_rid["past-end"], retracted[:5], layer_ids)
+    assert_dumped(dump_dir, by_rid["chunked"], chunked[:6], layer_ids)
+    assert stats(dumper)["errors"] == 0
+
+
+HOSTILE_RIDS = [
+    "../../x",
+    "../escaped.safetensors",
+    "/abs/path",
+    "/tmp",
+    "a/b\\c",
+    ".",
+    "..",
+    "",
+    " ",
+    "manifest.jsonl",
+    hidden_states_dump.TEMP_PREFIX + "x",
+    "r" * 10_240,
+    "nul\x00byte",
+    "new\nline\r\t",
+    'quote"{}[],',
+    "ünïcødé-请求-🚀-\u202eRTL",
+]
+
+
+def test_hostile_rids_stay_data(tmp_path):
+    dump_dir = tmp_path / "a" / "b" / "dump"
+    dump_dir.mkdir(parents=True)
+    before = set(os.listdir("/"))
+    dumper = start_dumper(dump_dir, [1, 2])
+    prompts = {rid: prompt(1000 + 10 * i, 3) for i, rid in enumerate(HOSTILE_RIDS)}
+
+    run_forward(dumper, [(DumpRequest(rid, 3), prompts[rid], 0) for rid in HOSTILE_RIDS[:8]])
+    for rid in HOSTILE_RIDS[8:]:
+        run_forward(dumper, [(DumpRequest(rid, 3), prompts[rid][:2], 0)])
+        run_forward(dumper, [(DumpRequest(rid, 3), prompts[rid][2:], 2)])
+    lines = wait_for_manifest(dump_dir, HOSTILE_RIDS)
+
+    assert sorted(line["rid"] for line in lines) == sorted(HOSTILE_RIDS)
+    for line in lines:
+        assert_dumped(dump_dir, line, prompts[line["rid"]], [1, 2])
+    assert_dir_holds_exactly(dump_dir, lines)
+    written = [
+        os.path.join(root, name) for root, _, names in os.walk(tmp_path) for name in names
+    ]
+    assert all(os.path.dirname(path) == str(dump_dir) for path in written)
+    assert set(os.listdir("/")) == before
+    assert stats(dumper)["errors"] == 0
+
+
+def test_a_rid_that_cannot_be_encoded_costs_only_its_own_file(dump_dir):
+    # A lone surrogate survives json.loads of an HTTP body but has no UTF-8 form, so
+    # safetensors cannot store it: that write fails, the writer goes on.
+    dumper = start_dumper(dump_dir, [1])
+
+    run_forward(dumper, [(DumpRequest("lone-\ud800", 2), prompt(100, 2), 0)])
+    run_forward(dumper, [(DumpRequest("next", 2), prompt(200, 2), 0)])
+    lines = wait_for_manifest(dump_dir, ["next"])
+
+    assert [line["rid"] for line in lines] == ["next"]
+    assert stats(dumper)["errors"] == 1
+    assert_dir_holds_exactly(dump_dir, lines)
+
+
+def test_every_manifest_line_names_a_complete_file(dump_dir):
+    # wait_for_manifest loads the file of every line each time it reads the manifest,
+    # here while the writer is still busy with the requests after it.
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
+    rids = [f"r{i}" for i in range(40)]
+
+    for i, rid in enumerate(rids):
+        run_forward(dumper, [(DumpRequest(rid, 50), prompt(1000 + 100 * i, 50), 0)])
+        if i % 5 == 0:
+            wait_for_manifest(dump_dir, [], timeout=0)
+    lines = wait_for_manifest(dump_dir, rids)
+
+    assert [line["rid"] for line in lines] == rids
+    assert len({line["file"] for line in lines}) == len(rids)
+    assert_dir_holds_exactly(dump_dir, lines)
+
+
+def test_stale_temporary_files_are_removed_at_start(dump_dir):
+    stale = dump_dir / (hidden_states_dump.TEMP_PREFIX + "20260101T000000-00000000-000000001.safetensors")
+    stale.write_bytes(b"half a file")
+    kept = dump_dir / "notes.txt"
+    kept.write_text("not ours")
+
+    start_dumper(dump_dir, [1])
+
+    assert sorted(os.listdir(dump_dir)) == ["notes.txt"]
+
+
+def test_a_rank_that_does_not_write_dumps_nothing(dump_dir):
+    metadata = {"layer_ids": "[1]", "num_layers": str(NUM_LAYERS)}
+    dumper = HiddenStatesDumper(str(dump_dir), [1], is_writer=False, metadata=metadata)
+
+    run_forward(dumper, [(DumpRequest("r", 2), prompt(100, 2), 0)])
+
+    assert dumper.stats == ""
+    assert os.listdir(dump_dir) == []
+
+
+def test_read_manifest_of_an_empty_directory(dump_dir):
+    assert read_manifest(str(dump_dir)) == []
