@@ -1,0 +1,19 @@
+#!/bin/bash
+# Runs ON the GPU machine, from the repository root, with .devcarry/site.tar.xz carried
+# (scripts/gpu/build_bundle.sh). Applies the 0.5.14 series to the bundle's site-packages
+# with this project's own toolchain, then runs the GPU tests. Results land in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/site
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MAX_JOBS=16 GIT_PYTHON_REFRESH=quiet
+xz -dc -T0 .devcarry/site.tar.xz | tar xf - -C /tmp/site || exit 2
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+PYTHONPATH=/tmp/site python3 -m scripts apply --version 0.5.14 --dir /tmp/site || exit 3
+PYTHONPATH=/tmp/site python3 -m scripts verify --version 0.5.14 --dir /tmp/site | tail -2
+export SGLANG_CHECKOUT=/tmp/site PYTHONPATH=/tmp/site:$PWD GPU_RESULTS=$OUT/gpu-results.json
+python3 -m pytest -q -rA --basetemp=/tmp/pt "${@:-tests/gpu}" 2>&1 | tee "$OUT/pytest.log"
+status=${PIPESTATUS[0]}
+for log in /tmp/pt/*/server.log; do
+  [ -f "$log" ] && cp "$log" "$OUT/$(basename "$(dirname "$log")").log"
+done
+exit "$status"

@@ -1,0 +1,89 @@
+"""On a GPU: the patched server with CUDA graphs on (the default) and off dumps the values
+transformers computes on the same weights (relative error at most 1e-2 per layer).
+
+Run by scripts/gpu/run_checks.sh on the GPU machine; skipped where there is no GPU.
+GPU models keep DeepSeek-V3's attention widths: SGLang's Triton MLA kernels need them.
+"""
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.server import Server, has_gpu, runtime_env, wait_for_manifest
+from scripts.tiny_model import ensure_model
+
+pytestmark = pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
+
+NUM_LAYERS = 4
+PROMPT_LEN = 100
+RESULTS = Path(os.environ.get("GPU_RESULTS", "gpu-results.json"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ensure_model(layers=NUM_LAYERS, q_lora=True, widths="deepseek")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """transformers on the same weights, bf16 on the GPU: the stream entering each layer
+    (output_hidden_states), the last layer's output before the final norm, the normed output."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.bfloat16).cuda().eval()
+    prompt = random.Random(PROMPT_LEN).sample(range(5, 1000), PROMPT_LEN)
+    last_layer_output = {}
+    handle = hf.model.layers[-1].register_forward_hook(
+        lambda module, inputs, output: last_layer_output.setdefault(
+            "value", (output[0] if isinstance(output, tuple) else output).detach()))
+    with torch.no_grad():
+        out = hf.model(torch.tensor([prompt], device="cuda"), output_hidden_states=True)
+    handle.remove()
+    streams = {i: out.hidden_states[i][0].float().cpu() for i in range(NUM_LAYERS)}
+    streams[NUM_LAYERS] = last_layer_output["value"][0].float().cpu()
+    return prompt, streams, out.last_hidden_state[0].float().cpu()
+
+
+def relative_error(actual, expected) -> float:
+    return ((actual.float() - expected).norm() / expected.norm()).item()
+
+
+def record_result(name: str, result: dict) -> None:
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results[name] = result
+    RESULTS.write_text(json.dumps(results, indent=1))
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["cuda-graphs", "no-cuda-graph"])
+def test_dump_equals_transformers(model, reference, tmp_path, cuda_graphs):
+    prompt, streams, normed = reference
+    layers = list(range(NUM_LAYERS + 1))
+    dump_dir = tmp_path / "dump"
+    env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_HS_DUMP_LAYERS=",".join(map(str, layers)))
+    extra = [] if cuda_graphs else ["--disable-cuda-graph"]
+    log = tmp_path / "server.log"
+    started = time.monotonic()
+    with Server(model, log, env, extra) as server:
+        server.wait_ready(timeout=400)
+        ready_s = time.monotonic() - started
+        response = server.generate(prompt, max_new_tokens=4)
+        manifest = wait_for_manifest(dump_dir, 1)
+        text = server.log()
+    from sglang.srt.managers.hidden_states_dump import load_dump
+
+    assert len(manifest) == 1
+    record = load_dump(str(dump_dir / manifest[0]["file"]))
+    assert record.token_ids.tolist() == prompt
+    errors = {str(layer): relative_error(record.hidden_states[:, k], streams[layer]) for k, layer in enumerate(layers)}
+    errors["last_hidden_state"] = relative_error(record.last_hidden_state, normed)
+    record_result("cuda-graphs" if cuda_graphs else "no-cuda-graph", {
+        "relative_error": errors, "ready_s": round(ready_s, 1), "output_ids": response["output_ids"],
+        "graph_lines": [line for line in text.splitlines() if "graph" in line.lower()][-6:],
+    })
+    for name, error in errors.items():
+        assert error <= 1e-2, f"{name}: relative error {error:.3g} against transformers ({errors})"
