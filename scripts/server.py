@@ -4,6 +4,7 @@ Used by the demo, the server tests and the benchmarks."""
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,9 +46,15 @@ def runtime_env(tree: Optional[Path] = None, **extra: str) -> Dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port in 20000..44999: SGLang derives other ports from it by adding up to 10000."""
+    while True:
+        port = random.randrange(20000, 45000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class ServerFailed(AssertionError):
@@ -97,7 +104,8 @@ class Server:
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+            payload = response.read()
+        return json.loads(payload) if payload else {}
 
     def generate(self, input_ids, max_new_tokens: int = 2, **extra) -> dict:
         return self.post("/generate", {"input_ids": input_ids,
