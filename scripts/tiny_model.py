@@ -10,6 +10,7 @@ require, and can take DeepSeek-V3's hidden size for compute-bound benchmarks.
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -17,6 +18,8 @@ from scripts.lock import REPO_ROOT
 
 MODEL_CACHE = REPO_ROOT / ".cache" / "models"
 SEED = 20261129
+ROUTER_LOGIT_STD = 3.0
+GENERATOR_VERSION = 2  # part of the cache name: a change here regenerates models
 
 WIDTHS = {
     "cpu": dict(
@@ -48,7 +51,7 @@ YARN = {
 
 def model_name(layers: int, q_lora: bool, widths: str, hidden_size: Optional[int]) -> str:
     hidden = f"-h{hidden_size}" if hidden_size else ""
-    return f"deepseek-v3-{widths}{hidden}-L{layers}-{'q' if q_lora else 'noq'}lora"
+    return f"deepseek-v3-{widths}{hidden}-L{layers}-{'q' if q_lora else 'noq'}lora-v{GENERATOR_VERSION}"
 
 
 def ensure_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
@@ -64,8 +67,14 @@ def ensure_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
     if not q_lora:
         shape["q_lora_rank"] = None
     if hidden_size:
-        shape["hidden_size"] = hidden_size
-        shape["intermediate_size"] = hidden_size * 2
+        # DeepSeek-V3's proportions (7168: intermediate 18432, moe_intermediate 2048,
+        # q_lora_rank 1536), 16 heads and 8 routed experts: compute-bound like the real model.
+        shape.update(
+            hidden_size=hidden_size, intermediate_size=hidden_size * 18432 // 7168,
+            moe_intermediate_size=hidden_size * 2048 // 7168,
+            q_lora_rank=hidden_size * 1536 // 7168 if q_lora else None,
+            num_attention_heads=16, num_key_value_heads=16, n_routed_experts=8,
+        )
     config = DeepseekV3Config(
         vocab_size=1024, num_hidden_layers=layers, n_shared_experts=1, n_group=1,
         topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
@@ -73,11 +82,19 @@ def ensure_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
         tie_word_embeddings=False, torch_dtype="bfloat16", **shape,
     )
     torch.manual_seed(SEED)
-    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     for layer in model.model.layers:
         gate = getattr(layer.mlp, "gate", None)
-        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+        if gate is None:
+            continue
+        with torch.no_grad():
             gate.e_score_correction_bias.zero_()
+            # Random init leaves router logits nearly tied (std ~0.3), so bf16 rounding in
+            # one engine or another flips expert choices; trained routers are decisive.
+            # Logits of std ~3 make comparisons between engines measure hidden states,
+            # not tie-breaking, without saturating the sigmoid scores.
+            gate.weight.mul_(ROUTER_LOGIT_STD / (config.initializer_range * math.sqrt(config.hidden_size)))
     staging = path.with_name(path.name + ".tmp")
     model.save_pretrained(staging, safe_serialization=True)
     config_path = staging / "config.json"

@@ -1,0 +1,296 @@
+"""Benchmarks of the hidden-states dump against its alternatives, each comparison in one run.
+
+    python -m scripts.bench_dump --suite prefill|hidden|write|scaling [--preset cpu|gpu] --out FILE.json
+
+Suites (BENCHMARKS.md has the tables and the commands that produced them):
+- prefill: prompt tokens/s of unpatched upstream, patched with dumping off, patched with
+  dumping on; all three servers run at once and rounds alternate between them.
+- hidden: hidden-state tokens/s delivered by the dump (to disk) vs SGLang's own
+  `return_hidden_states` over HTTP on the same server vs transformers' `output_hidden_states`.
+- write: the dump's write bandwidth vs `dd` to the same filesystem, and server RSS with
+  dumping on vs off.
+- scaling: dump cost vs prompt length and vs number of captured layers.
+
+Ratios are reported with min/median/max over the repeats. Nothing here asserts timings.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List
+
+from scripts.server import Server, has_gpu, runtime_env, wait_for_manifest
+from scripts.tiny_model import ensure_model
+
+PRESETS = {
+    # 2 CPU cores: small enough to finish in minutes.
+    "cpu": dict(model=dict(layers=4), prompts=32, prompt_len=256, repeats=3, server_args=(),
+                lengths=(128, 512, 2048), layer_counts=(1, 2, 3, 4), hidden_prompts=16),
+    # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
+    # Up to three servers share the GPU.
+    "gpu": dict(model=dict(layers=4, widths="deepseek", hidden_size=7168), prompts=256, prompt_len=512,
+                repeats=5, server_args=("--mem-fraction-static", "0.25", "--max-total-tokens", "262144"),
+                lengths=(128, 512, 2048, 8192), layer_counts=(1, 4), hidden_prompts=64),
+}
+
+
+def prompts_for(count: int, length: int, seed: int) -> List[List[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 1000) for _ in range(length)] for _ in range(count)]
+
+
+def send_all(server: Server, prompts, **extra) -> float:
+    """Seconds to prefill every prompt (one output token each), all sent at once."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
+        list(pool.map(lambda p: server.generate(p, max_new_tokens=1, **extra), prompts))
+    return time.perf_counter() - started
+
+
+def summary(values: List[float]) -> Dict[str, float]:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "raw": values}
+
+
+def upstream_tree() -> Path:
+    """The unpatched package tree: UPSTREAM_TREE, else the runtime's own site-packages."""
+    if os.environ.get("UPSTREAM_TREE"):
+        return Path(os.environ["UPSTREAM_TREE"])
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def start(model, log_dir: Path, name: str, env: dict, extra=(), tree=None) -> Server:
+    args = [*PRESET["server_args"], *extra]
+    return Server(model, log_dir / f"{name}.log", runtime_env(tree=tree, **env), args).start()
+
+
+def rss_kib(pid: int) -> int:
+    """Resident memory of a process and all its descendants, in KiB."""
+    total = 0
+    pids = [pid]
+    while pids:
+        current = pids.pop()
+        try:
+            with open(f"/proc/{current}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            with open(f"/proc/{current}/task/{current}/children") as f:
+                pids += [int(child) for child in f.read().split()]
+        except (FileNotFoundError, StopIteration, ProcessLookupError):
+            pass
+    return total
+
+
+def suite_prefill(model, preset, work: Path) -> dict:
+    dump_dir = work / "dump-prefill"
+    servers = {
+        "upstream": start(model, work, "upstream", {}, tree=upstream_tree()),
+        "patched, dump off": start(model, work, "patched-off", {}),
+        "patched, dump on": start(model, work, "patched-on", {"SGLANG_HS_DUMP_DIR": str(dump_dir)}),
+    }
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=1)
+        tokens = preset["prompts"] * preset["prompt_len"]
+        names = list(servers)
+        for name in names:  # one untimed round each: compile caches, allocator warm-up
+            send_all(servers[name], prompts_for(8, preset["prompt_len"], seed=99))
+        seconds = {name: [] for name in names}
+        for round_index in range(preset["repeats"]):
+            order = names[round_index % len(names):] + names[: round_index % len(names)]
+            for name in order:
+                seconds[name].append(send_all(servers[name], prompts))
+        rss = {name: rss_kib(server.process.pid) for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+    throughput = {name: summary([tokens / s for s in values]) for name, values in seconds.items()}
+    ratios = {
+        "patched off / upstream": summary([u / o for u, o in zip(seconds["upstream"], seconds["patched, dump off"])]),
+        "dump on / dump off": summary([o / d for o, d in zip(seconds["patched, dump off"], seconds["patched, dump on"])]),
+    }
+    return {"prompt_tokens_per_s": throughput, "throughput_ratio": ratios, "server_rss_kib": rss,
+            "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens, 1 output token"}
+
+
+def suite_hidden(model, preset, work: Path) -> dict:
+    dump_dir = work / "dump-hidden"
+    env = {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_LAYERS": "3"}
+    prompts = prompts_for(preset["hidden_prompts"], preset["prompt_len"], seed=2)
+    tokens = len(prompts) * preset["prompt_len"]
+    server = start(model, work, "hidden", env, ["--enable-return-hidden-states"])
+    dump_rates, http_rates = [], []
+    try:
+        server.wait_ready()
+        send_all(server, prompts_for(4, preset["prompt_len"], seed=98))
+        done = len(wait_for_manifest(dump_dir, 4))
+        for _ in range(preset["repeats"]):
+            started = time.perf_counter()
+            send_all(server, prompts)
+            done += len(prompts)
+            wait_for_manifest(dump_dir, done, timeout=600)
+            dump_rates.append(tokens / (time.perf_counter() - started))
+            started = time.perf_counter()
+            send_all(server, prompts, return_hidden_states=True)
+            http_rates.append(tokens / (time.perf_counter() - started))
+    finally:
+        server.stop()
+    hf_rates = transformers_rates(model, prompts, preset["repeats"])
+    return {
+        "hidden_tokens_per_s": {"dump (1 layer, to disk)": summary(dump_rates),
+                                "return_hidden_states (HTTP)": summary(http_rates),
+                                "transformers output_hidden_states": summary(hf_rates)},
+        "ratio": {"dump / return_hidden_states": summary([d / h for d, h in zip(dump_rates, http_rates)]),
+                  "dump / transformers": summary([d / h for d, h in zip(dump_rates, hf_rates)])},
+        "workload": f"{len(prompts)} prompts x {preset['prompt_len']} tokens",
+    }
+
+
+def transformers_rates(model, prompts, repeats) -> List[float]:
+    """Hidden-state tokens/s of transformers' forward with output_hidden_states, batches of 8."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if has_gpu() else "cpu"
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device).eval()
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        with torch.no_grad():
+            for i in range(0, len(prompts), 8):
+                batch = torch.tensor(prompts[i : i + 8], device=device)
+                states = hf.model(batch, output_hidden_states=True).hidden_states[3]
+                states.to("cpu")
+        rates.append(len(prompts) * len(prompts[0]) / (time.perf_counter() - started))
+    del hf
+    return rates
+
+
+def suite_write(model, preset, work: Path) -> dict:
+    dump_dir = work / "dump-write"
+    dump_dir.mkdir()
+    size_mb = 512 if has_gpu() else 128
+    dd_rates = []
+    for _ in range(preset["repeats"]):
+        target = dump_dir / "dd.bin"
+        started = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={size_mb}", "conv=fsync"],
+                       check=True, capture_output=True)
+        dd_rates.append(size_mb * 2**20 / (time.perf_counter() - started))
+        target.unlink()
+    prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=3)
+    servers = {"dump on": start(model, work, "write-on", {"SGLANG_HS_DUMP_DIR": str(dump_dir)}),
+               "dump off": start(model, work, "write-off", {})}
+    dump_rates, rss = [], {}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        done = 0
+        for _ in range(preset["repeats"]):
+            before = sum(p.stat().st_size for p in dump_dir.glob("*.safetensors"))
+            started = time.perf_counter()
+            send_all(servers["dump on"], prompts)
+            done += len(prompts)
+            wait_for_manifest(dump_dir, done, timeout=600)
+            written = sum(p.stat().st_size for p in dump_dir.glob("*.safetensors")) - before
+            dump_rates.append(written / (time.perf_counter() - started))
+            send_all(servers["dump off"], prompts)
+        rss = {name: rss_kib(server.process.pid) for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+    filesystem = subprocess.run(["df", "-T", str(dump_dir)], capture_output=True, text=True).stdout.splitlines()[-1]
+    return {"bytes_per_s": {"dump": summary(dump_rates), "dd conv=fsync": summary(dd_rates)},
+            "ratio": {"dump / dd": summary([d / r for d, r in zip(dump_rates, dd_rates)])},
+            "server_rss_kib_after": rss, "filesystem": filesystem,
+            "workload": f"{len(prompts)} prompts x {preset['prompt_len']} tokens per round, default layers"}
+
+
+def suite_scaling(model, preset, work: Path) -> dict:
+    """Time with dumping on over time with it off, for the same prompts, alternating."""
+    results = {"by_prompt_len": {}, "by_layer_count": {}}
+    base = start(model, work, "scaling-off", {})
+    try:
+        base.wait_ready()
+        dumping = start(model, work, "scaling-on", {"SGLANG_HS_DUMP_DIR": str(work / "dump-scaling")})
+        try:
+            dumping.wait_ready()
+            for length in preset["lengths"]:
+                results["by_prompt_len"][length] = _time_ratio(base, dumping, preset, length)
+        finally:
+            dumping.stop()
+        for count in preset["layer_counts"]:
+            env = {"SGLANG_HS_DUMP_DIR": str(work / f"dump-layers{count}"),
+                   "SGLANG_HS_DUMP_LAYERS": ",".join(str(i) for i in range(1, count + 1))}
+            dumping = start(model, work, f"layers{count}", env)
+            try:
+                dumping.wait_ready()
+                results["by_layer_count"][count] = _time_ratio(base, dumping, preset, preset["prompt_len"])
+            finally:
+                dumping.stop()
+    finally:
+        base.stop()
+    return results
+
+
+def _time_ratio(base: Server, dumping: Server, preset, length: int) -> dict:
+    count = max(4, preset["prompts"] * preset["prompt_len"] // length // 4)
+    prompts = prompts_for(count, length, seed=length)
+    send_all(base, prompts[:2])
+    send_all(dumping, prompts[:2])
+    on, off = [], []
+    for _ in range(preset["repeats"]):
+        off.append(send_all(base, prompts))
+        on.append(send_all(dumping, prompts))
+    return {"prompts": count, "tokens": count * length, "ratio_on_over_off_time": summary([a / b for a, b in zip(on, off)])}
+
+
+PRESET: dict = {}  # the preset in use, for start()
+SUITES = {"prefill": suite_prefill, "hidden": suite_hidden, "write": suite_write, "scaling": suite_scaling}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=sorted(SUITES), action="append", required=True)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if has_gpu() else "cpu")
+    parser.add_argument("--work-dir", type=Path, default=None, help="dump dirs and server logs (default: a temp dir)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    PRESET.update(preset)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-dump-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = ensure_model(**preset["model"])
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results["machine"] = {"host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                          "gpu": _gpu_name(), "preset": args.preset, "model": model.name}
+    for name in args.suite:
+        started = time.perf_counter()
+        results[name] = SUITES[name](model, preset, work)
+        results[name]["suite_seconds"] = round(time.perf_counter() - started, 1)
+        args.out.write_text(json.dumps(results, indent=1))
+        print(json.dumps({name: results[name]}, indent=1), flush=True)
+    return 0
+
+
+def _gpu_name():
+    if not has_gpu():
+        return None
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
