@@ -2,60 +2,155 @@
 
 They record, on every forward, SGLang's own values at the points the dump captures, by a
 different path than the patched capture code:
-- `model.embed_tokens`: the embedding output (the stream entering layer 0);
+- `model.embed_tokens`: the embedding output (the stream entering layer 0), and its input,
+  the forward's token ids;
 - `model.layers.{i}`: returns (hidden_states, residual), whose sum is the residual stream
-  entering layer i+1 (SGLang defers the residual add into the next layer's norm);
+  entering layer i+1 (SGLang defers the residual add into the next layer's norm); its first
+  input is the forward's positions;
 - `model.norm`: the final normed hidden state the LM head reads.
+
+The hooks of one forward fill one record (embed_tokens runs first, model.norm last), which
+the norm hook saves as `forward.<n>.pt`: {"input_ids", "positions", "0".."L", "last"}, one
+row per token of the forward. Decode-only forwards are not saved (no prompt rows), which
+keeps the files bounded by the prompt tokens served.
+
+Readers place a request's rows by its token ids and positions alone, not by any field the
+patch adds: `residual_streams` for one prompt in one forward, `request_rows` for many
+prompts across batched and chunked forwards.
 """
 
 import itertools
 import json
+from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Hashable, List, NamedTuple, Sequence, Set
 
 import torch
+
+# The record of the forward in progress, shared by the hooks of the scheduler process.
+_record: Dict[str, torch.Tensor] = {}
+_forwards = itertools.count()
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu").clone()
 
 
 def record_output(config):
     out_dir = Path(config["dir"])
-    name = config["name"]
-    calls = itertools.count()
+    kind = config["kind"]
 
     def hook(module, inputs, output):
-        if config["kind"] == "layer":
-            hidden_states, residual = output
+        if kind == "embed":
+            _record.clear()
+            _record["input_ids"] = _host(inputs[0]).to(torch.int64)
+            _record["0"] = _host(output)
+        elif kind == "layer":
+            positions, forward_batch = inputs[0], inputs[2]
+            hidden_states, residual = output[:2]  # 0.5.14+ layers also return topk indices
             value = hidden_states if residual is None else hidden_states + residual
-        elif isinstance(output, tuple):
-            value = output[0]
+            _record[str(config["index"] + 1)] = _host(value)
+            if config["index"] == 0:
+                _record["positions"] = _host(positions).to(torch.int64)
+                _record["decode_only"] = forward_batch.forward_mode.is_decode()
         else:
-            value = output
-        torch.save(value.detach().to("cpu").clone(), out_dir / f"{name}.{next(calls):05d}.pt")
+            value = output[0] if isinstance(output, tuple) else output
+            record = dict(_record, last=_host(value))
+            _record.clear()
+            if not record.pop("decode_only"):
+                torch.save(record, out_dir / f"forward.{next(_forwards):05d}.pt")
 
     return hook
 
 
 def hook_specs(out_dir: Path, num_layers: int) -> str:
     """The --forward-hooks JSON; target names are exact (a pattern would match submodules)."""
-    targets = [("embed", "model.embed_tokens", "tensor"), ("norm", "model.norm", "tensor")]
-    targets += [(f"layer{i}", f"model.layers.{i}", "layer") for i in range(num_layers)]
+    targets = [("embed", "model.embed_tokens", {"kind": "embed"}), ("norm", "model.norm", {"kind": "norm"})]
+    targets += [(f"layer{i}", f"model.layers.{i}", {"kind": "layer", "index": i}) for i in range(num_layers)]
     return json.dumps([
         {"name": name, "target_modules": [module], "hook_factory": "tests.server.oracle_hooks:record_output",
-         "config": {"dir": str(out_dir), "name": name, "kind": kind}}
-        for name, module, kind in targets
+         "config": {"dir": str(out_dir), **config}}
+        for name, module, config in targets
     ])
+
+
+def forward_files(out_dir: Path) -> List[Path]:
+    return sorted(out_dir.glob("forward.*.pt"))
 
 
 def residual_streams(out_dir: Path, num_layers: int, num_tokens: int) -> Dict[str, torch.Tensor]:
     """{"0".."L": stream entering layer i (L: last layer's output), "last": final normed state},
     taken from the one forward that prefilled exactly num_tokens rows."""
-    def only_call(name: str) -> torch.Tensor:
-        matches: List[torch.Tensor] = [
-            t for t in (torch.load(p) for p in sorted(out_dir.glob(f"{name}.*.pt"))) if t.shape[0] == num_tokens
-        ]
-        assert len(matches) == 1, f"{name}: expected one forward of {num_tokens} rows, found {len(matches)}"
-        return matches[0]
+    matches = [r for r in (torch.load(p) for p in forward_files(out_dir)) if r["input_ids"].numel() == num_tokens]
+    assert len(matches) == 1, f"expected one forward of {num_tokens} rows, found {len(matches)}"
+    return {name: matches[0][name] for name in [str(i) for i in range(num_layers + 1)] + ["last"]}
 
-    streams = {"0": only_call("embed"), "last": only_call("norm")}
-    for i in range(num_layers):
-        streams[str(i + 1)] = only_call(f"layer{i}")
-    return streams
+
+class Forward(NamedTuple):
+    prompts: Set[Hashable]  # the prompts this forward prefilled rows of
+    prompt_rows: int
+    other_rows: int  # rows of no given prompt: decode rows of a mixed batch, other requests
+
+
+def request_rows(out_dir: Path, prompts: Dict[Hashable, Sequence[int]], first_forward: int = 0):
+    """Per prompt, its streams ({"0".."L", "last"}: [T, H]) assembled from the rows of every
+    saved forward from `first_forward` on; and a `Forward` per saved forward.
+
+    A request's rows in one forward are a run of consecutive rows whose positions count up
+    by one and whose token ids are the prompt's at those positions (one chunk of its
+    prefill). Random prompts match each other only in short runs, and a shared prefix
+    matches every prompt that has it, so runs are claimed longest first: a run is taken
+    when none of its rows is taken and its prompt does not have those positions yet. Two
+    prompts equal on a claimed run have equal rows there, so a tie is harmless.
+    """
+    by_position_token = defaultdict(list)
+    for key, prompt in prompts.items():
+        for position, token in enumerate(prompt):
+            by_position_token[(position, token)].append(key)
+
+    records, runs = [], []
+    for path in forward_files(out_dir)[first_forward:]:
+        record = torch.load(path)
+        forward = len(records)
+        records.append(record)
+        open_runs = {}  # key -> (first row, first position) of its run that reached the previous row
+        previous_position = None
+        for row, (position, token) in enumerate(zip(record["positions"].tolist(), record["input_ids"].tolist())):
+            contiguous = previous_position is not None and position == previous_position + 1
+            next_open = {}
+            for key in by_position_token.get((position, token), ()):
+                next_open[key] = open_runs.pop(key) if contiguous and key in open_runs else (row, position)
+            for key, (first_row, first_position) in open_runs.items():
+                runs.append((row - first_row, forward, first_row, first_position, key))
+            open_runs, previous_position = next_open, position
+        for key, (first_row, first_position) in open_runs.items():
+            runs.append((record["input_ids"].numel() - first_row, forward, first_row, first_position, key))
+
+    runs.sort(key=lambda run: (-run[0], run[1], run[2]))
+    taken_rows = [torch.zeros(r["input_ids"].numel(), dtype=torch.bool) for r in records]
+    covered = {key: torch.zeros(len(prompt), dtype=torch.bool) for key, prompt in prompts.items()}
+    claims = defaultdict(list)
+    held = defaultdict(set)
+    for length, forward, first_row, first_position, key in runs:
+        rows = slice(first_row, first_row + length)
+        positions = slice(first_position, first_position + length)
+        if taken_rows[forward][rows].any() or covered[key][positions].any():
+            continue
+        taken_rows[forward][rows] = True
+        covered[key][positions] = True
+        claims[key].append((forward, rows, positions))
+        held[forward].add(key)
+
+    missing = {key: (~c).nonzero().flatten()[:5].tolist() for key, c in covered.items() if not c.all()}
+    assert not missing, f"prompt positions no saved forward prefilled (first few per prompt): {missing}"
+    names = [name for name in records[0] if name not in ("input_ids", "positions")] if records else []
+    streams = {}
+    for key, prompt in prompts.items():
+        out = {name: torch.empty((len(prompt),) + records[0][name].shape[1:], dtype=records[0][name].dtype)
+               for name in names}
+        for forward, rows, positions in claims[key]:
+            for name in names:
+                out[name][positions] = records[forward][name][rows]
+        streams[key] = out
+    forwards = [Forward(held[f], int(taken_rows[f].sum()), int((~taken_rows[f]).sum())) for f in range(len(records))]
+    return streams, forwards

@@ -1,0 +1,87 @@
+"""What the server tests of the dump share: workloads, the comparison of a file with the
+oracle, and reading the dump's counters from the server log."""
+
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from sglang.srt.managers.hidden_states_dump import DumpRecord
+
+VOCAB_SIZE = 1024  # scripts.tiny_model
+# Every generated token is this one (a logit bias), and no prompt holds it: a decode row is
+# never mistaken for a prompt row by the oracle.
+OUTPUT_TOKEN = 3
+FIRST_PROMPT_TOKEN = 4
+# Per row, the dump's value against the oracle's: the oracle adds SGLang's deferred residual
+# in bf16 itself, the capture takes the fused add of the next norm.
+ROW_TOLERANCE = 2e-2
+
+
+def random_prompts(lengths: Sequence[int], seed: int) -> List[List[int]]:
+    """Prompts of the given lengths with distinct first tokens: no two are equal, and one
+    is told from another by its first row alone."""
+    rng = random.Random(seed)
+    first_tokens = rng.sample(range(FIRST_PROMPT_TOKEN, VOCAB_SIZE), len(lengths))
+    return [[first] + [rng.randrange(FIRST_PROMPT_TOKEN, VOCAB_SIZE) for _ in range(length - 1)]
+            for first, length in zip(first_tokens, lengths)]
+
+
+def generate_body(prompt: Sequence[int], rid: str, max_new_tokens: int) -> dict:
+    return {
+        "rid": rid, "input_ids": list(prompt),
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True,
+                            "logit_bias": {str(OUTPUT_TOKEN): 100.0}},
+    }
+
+
+def post_all(server, bodies: Sequence[dict], workers: int = 64, path: str = "/generate") -> List[dict]:
+    """Send every body at once from a thread pool; the responses, in order."""
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda body: server.post(path, body), bodies))
+
+
+def relative_errors(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Per row: |actual - expected| / |expected|."""
+    actual, expected = actual.float(), expected.float()
+    return (actual - expected).norm(dim=-1) / expected.norm(dim=-1).clamp_min(1e-6)
+
+
+def assert_matches_oracle(record: DumpRecord, prompt: Sequence[int], streams: Dict[str, torch.Tensor], what: str):
+    """The file holds the prompt, and every row of every layer equals the oracle's."""
+    assert record.token_ids.tolist() == list(prompt), f"{what}: token ids differ from the prompt"
+    num_tokens = len(prompt)
+    assert record.hidden_states.shape[0] == num_tokens and record.last_hidden_state.shape[0] == num_tokens, what
+    for k, layer_id in enumerate(record.layer_ids):
+        errors = relative_errors(record.hidden_states[:, k], streams[str(layer_id)])
+        worst = int(errors.argmax())
+        assert errors[worst] <= ROW_TOLERANCE, (
+            f"{what}: layer {layer_id} row {worst} of {num_tokens}: relative error {errors[worst]:.3g}")
+    errors = relative_errors(record.last_hidden_state, streams["last"])
+    worst = int(errors.argmax())
+    assert errors[worst] <= ROW_TOLERANCE, (
+        f"{what}: last_hidden_state row {worst} of {num_tokens}: relative error {errors[worst]:.3g}")
+
+
+STATS_LINE = re.compile(
+    r"hidden states dump: .*?files=(\d+) tokens=(\d+) bytes=(\d+) errors=(\d+) dropped=(\d+) discarded=(\d+)")
+
+
+def dump_stats(log: str) -> Optional[Dict[str, int]]:
+    """The dump's counters from the last stats line of a server log (None: none logged)."""
+    matches = STATS_LINE.findall(log)
+    if not matches:
+        return None
+    names = ("files", "tokens", "bytes", "errors", "dropped", "discarded")
+    return dict(zip(names, map(int, matches[-1])))
+
+
+def wait_until(condition, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)

@@ -1,0 +1,46 @@
+"""Batched serving: many concurrent requests of random lengths, prefilled together and
+mixed with decode steps (--enable-mixed-chunk); every file equals the oracle row for row."""
+
+import random
+import time
+
+from sglang.srt.managers.hidden_states_dump import load_dump
+from tests.server import oracle_hooks
+from tests.server.dump_checks import OUTPUT_TOKEN, assert_matches_oracle, generate_body, post_all, random_prompts
+from scripts.server import Server, runtime_env, wait_for_manifest
+
+NUM_REQUESTS = 96
+NUM_LAYERS = 3
+
+
+def test_concurrent_requests_each_equal_the_oracle(model_l3, tmp_path):
+    dump_dir, oracle_dir = tmp_path / "dump", tmp_path / "oracle"
+    oracle_dir.mkdir()
+    rng = random.Random(0)
+    prompts = random_prompts([rng.randint(1, 500) for _ in range(NUM_REQUESTS)], seed=1)
+    bodies = [generate_body(p, f"batch-{i}", max_new_tokens=rng.randint(1, 16)) for i, p in enumerate(prompts)]
+    server = Server(model_l3, tmp_path / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir)),
+                    ["--enable-mixed-chunk", "--forward-hooks", oracle_hooks.hook_specs(oracle_dir, NUM_LAYERS)])
+    with server:
+        server.wait_ready()
+        start = time.monotonic()
+        responses = post_all(server, bodies, workers=64)
+        print(f"{NUM_REQUESTS} requests in {time.monotonic() - start:.1f}s")
+        manifest = wait_for_manifest(dump_dir, NUM_REQUESTS)
+    assert all(r["output_ids"] == [OUTPUT_TOKEN] * b["sampling_params"]["max_new_tokens"]
+               for r, b in zip(responses, bodies))
+
+    by_rid = {entry["rid"]: entry for entry in manifest}
+    assert sorted(by_rid) == sorted(b["rid"] for b in bodies) and len(manifest) == NUM_REQUESTS
+    streams, forwards = oracle_hooks.request_rows(oracle_dir, {b["rid"]: p for b, p in zip(bodies, prompts)})
+    for body, prompt in zip(bodies, prompts):
+        entry = by_rid[body["rid"]]
+        assert entry["num_tokens"] == len(prompt)
+        assert_matches_oracle(load_dump(str(dump_dir / entry["file"])), prompt, streams[body["rid"]], body["rid"])
+
+    # The workload did what it is for: prefill batches of many requests, prompts split
+    # across forwards, and prefill rows next to decode rows in one forward.
+    print("prompts per forward:", [len(f.prompts) for f in forwards])
+    print("mixed forwards:", sum(1 for f in forwards if f.prompts and f.other_rows))
+    assert max(len(f.prompts) for f in forwards) >= 8
+    assert any(f.prompts and f.other_rows for f in forwards), "no mixed prefill+decode forward"
