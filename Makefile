@@ -22,7 +22,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches test test-tools test-warmup test-unit demo clean
+.PHONY: help tools runtime apply verify revert refresh-patches test test-tools test-warmup test-unit test-server test-release demo bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -68,8 +68,16 @@ test-unit: apply runtime ## unit tests of the patched SGLang code on CPU tensors
 test-warmup: apply runtime ## real server: warmup plus one prefill with dumping on, and the negative controls
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q tests/server/test_warmup.py $(PYTEST_ARGS)
 
-test: test-tools test-unit ## everything CI runs
+test-server: apply runtime ## every real-server test for VERSION
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q tests/server $(PYTEST_ARGS)
+
+test-release: test-unit test-server ## unit and server tests for VERSION
+
+# Without SGLANG_VERSION: every release in sglang.lock.
+test: test-tools ## everything CI runs
+	set -e; for version in $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.lock versions)); do \
+		$(MAKE) --no-print-directory test-release SGLANG_VERSION=$$version $(if $(SGLANG_DIR),SGLANG_DIR=$(SGLANG_DIR)); \
+	done
 
 demo: apply runtime ## the main job on the embedded tiny model: dump a few prompts and summarise the files
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.demo

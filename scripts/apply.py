@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from scripts import checkout, refresh as refresh_step
-from scripts.errors import ToolError
+from scripts.errors import USAGE, ToolError
 from scripts.hunks import TreeState, apply_chain, classify, series_paths
 from scripts.lock import Lock, Release, load_lock, sha256_bytes
 from scripts.series import Patch, load_series
@@ -47,7 +47,7 @@ def inspect(version: Optional[str] = None, sglang_dir: Optional[Path] = None, lo
 
 def _existing_checkout(release: Release) -> Tree:
     if not (release.checkout_dir / ".git").exists():
-        raise ToolError(f"{release.checkout_dir} does not exist yet: run make apply first.")
+        raise ToolError(f"{release.checkout_dir} does not exist yet: run make apply first.", USAGE)
     return checkout.ensure(release)
 
 

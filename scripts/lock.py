@@ -100,17 +100,19 @@ def load_lock(path: Path = LOCK_PATH) -> Lock:
 
 
 def main(argv=None) -> None:
-    """For the Makefile: `python -m scripts.lock default` or `python -m scripts.lock python VERSION`."""
+    """For the Makefile: `python -m scripts.lock default | versions | python VERSION`."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     lock = load_lock()
     if args == ["default"]:
         print(lock.default)
+    elif args == ["versions"]:
+        print(" ".join(lock.releases))
     elif len(args) == 2 and args[0] == "python":
         print(lock.release(args[1]).python)
     else:
-        raise SystemExit("usage: python -m scripts.lock default | python VERSION")
+        raise SystemExit("usage: python -m scripts.lock default | versions | python VERSION")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 # trees side by side. Results land in $OUT/bench-gpu.json.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/site /tmp/site-upstream
+rm -rf /tmp/site /tmp/site-upstream && mkdir -p "$OUT" /tmp/site /tmp/site-upstream
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MAX_JOBS=16 GIT_PYTHON_REFRESH=quiet
 xz -dc -T0 .devcarry/site.tar.xz | tar xf - -C /tmp/site || exit 2
 cp -a /tmp/site/. /tmp/site-upstream/

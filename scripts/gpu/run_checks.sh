@@ -4,7 +4,7 @@
 # with this project's own toolchain, then runs the GPU tests. Results land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/site
+rm -rf /tmp/site && mkdir -p "$OUT" /tmp/site
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MAX_JOBS=16 GIT_PYTHON_REFRESH=quiet
 xz -dc -T0 .devcarry/site.tar.xz | tar xf - -C /tmp/site || exit 2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
