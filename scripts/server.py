@@ -127,6 +127,32 @@ class Server:
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(30)
 
+    def processes(self) -> List[int]:
+        """The server's process and all its descendants (scheduler, detokenizer)."""
+        pids, todo = [], [self.process.pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    todo += [int(child) for child in (task / "children").read_text().split()]
+                except OSError:
+                    pass
+        return pids
+
+    def resident_memory_kb(self) -> Dict[str, int]:
+        """VmRSS of each process of the server, by its name (`sglang::scheduler`, ...)."""
+        memory = {}
+        for pid in self.processes():
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode() or str(pid)
+            except OSError:
+                continue
+            rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+            memory[name if name not in memory else f"{name}[{pid}]"] = rss
+        return memory
+
     def __enter__(self):
         return self.start()
 

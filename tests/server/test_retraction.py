@@ -1,0 +1,40 @@
+"""Retraction: with a KV cache too small for the generations admitted, the scheduler takes
+running requests back and prefills them again later (prompt plus the tokens generated so
+far). That second prefill is not dumped: one file per request, equal to the oracle."""
+
+import random
+
+from sglang.srt.managers.hidden_states_dump import load_dump
+from tests.server import oracle_hooks
+from tests.server.dump_checks import assert_matches_oracle, generate_body, post_all, random_prompts
+from scripts.server import Server, runtime_env, wait_for_manifest
+
+NUM_REQUESTS = 24
+NUM_LAYERS = 3
+
+
+def test_retracted_requests_are_dumped_once(model_l3, tmp_path):
+    dump_dir, oracle_dir = tmp_path / "dump", tmp_path / "oracle"
+    oracle_dir.mkdir()
+    rng = random.Random(19)
+    prompts = random_prompts([rng.randint(100, 200) for _ in range(NUM_REQUESTS)], seed=20)
+    bodies = [generate_body(p, f"retract-{i}", max_new_tokens=300) for i, p in enumerate(prompts)]
+    server = Server(model_l3, tmp_path / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir)),
+                    ["--max-total-tokens", "2048",
+                     "--forward-hooks", oracle_hooks.hook_specs(oracle_dir, NUM_LAYERS)])
+    with server:
+        server.wait_ready()
+        responses = post_all(server, bodies, workers=NUM_REQUESTS)
+        manifest = wait_for_manifest(dump_dir, NUM_REQUESTS)
+        log = server.log()
+
+    retractions = {b["rid"]: r["meta_info"]["total_retractions"] for b, r in zip(bodies, responses)}
+    print(f"retractions per request: {retractions}")
+    assert "KV cache pool is full. Retract requests." in log
+    assert sum(1 for n in retractions.values() if n > 0) >= 2
+    assert sorted(e["rid"] for e in manifest) == sorted(retractions)  # one line per request
+    assert sorted(p.name for p in dump_dir.iterdir() if p.suffix == ".safetensors") == \
+        sorted(e["file"] for e in manifest)
+    streams, _ = oracle_hooks.request_rows(oracle_dir, {b["rid"]: p for b, p in zip(bodies, prompts)})
+    for entry, prompt in zip(sorted(manifest, key=lambda e: int(e["rid"].split("-")[1])), prompts):
+        assert_matches_oracle(load_dump(str(dump_dir / entry["file"])), prompt, streams[entry["rid"]], entry["rid"])

@@ -1,0 +1,65 @@
+"""The writer's back-pressure policy, with a disk that stalls (tests/server/fault_hooks.py)
+and a queue of one job: `drop` never makes the scheduler wait and counts what it drops;
+`block` (the default) makes serving wait for the disk and loses nothing."""
+
+import threading
+import time
+
+from sglang.srt.managers.hidden_states_dump import read_manifest
+from tests.server.dump_checks import dump_stats, generate_body, random_prompts, wait_until
+from tests.server.fault_hooks import stall_writer_spec
+from scripts.server import Server, runtime_env, wait_for_manifest
+
+
+def stalled_server(model, tmp_path, on_full):
+    dump_dir, gate = tmp_path / "dump", tmp_path / "gate"
+    gate.touch()
+    env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_HS_DUMP_QUEUE_SIZE="1",
+                      SGLANG_HS_DUMP_ON_FULL_QUEUE=on_full)
+    server = Server(model, tmp_path / "server.log", env, ["--forward-hooks", stall_writer_spec(gate)])
+    server.dump_dir, server.gate = dump_dir, gate
+    return server
+
+
+def test_drop_policy_never_waits_and_counts_every_drop(model_l3, tmp_path):
+    prompts = random_prompts([50] * 8, seed=8)
+    with stalled_server(model_l3, tmp_path, "drop") as server:
+        server.wait_ready()
+        server.post("/generate", generate_body(prompts[0], "drop-0", 2))
+        wait_until(lambda: server.gate.with_name("gate.holding").exists(), 30, "the writer to hold the first job")
+        start = time.monotonic()
+        for i, prompt in enumerate(prompts[1:], start=1):  # one at a time: one job per forward
+            server.post("/generate", generate_body(prompt, f"drop-{i}", 2), timeout=60)
+        served_in = time.monotonic() - start
+        log = server.log()
+        assert read_manifest(str(server.dump_dir)) == []  # the disk is stalled
+        assert dump_stats(log) == dict(files=0, tokens=0, bytes=0, errors=0, dropped=6, discarded=0)
+        for i in range(2, 8):
+            assert f"hidden states dump: queue full, dropped request 'drop-{i}'" in log
+
+        server.gate.unlink()
+        manifest = wait_for_manifest(server.dump_dir, 2)
+        time.sleep(1)
+        assert [e["rid"] for e in read_manifest(str(server.dump_dir))] == ["drop-0", "drop-1"]
+        print(f"7 requests served in {served_in:.1f}s with the writer stalled")
+
+
+def test_block_policy_makes_serving_wait_and_loses_nothing(model_l3, tmp_path):
+    prompts = random_prompts([50] * 3, seed=9)
+    with stalled_server(model_l3, tmp_path, "block") as server:
+        server.wait_ready()
+        server.post("/generate", generate_body(prompts[0], "block-0", 2))
+        wait_until(lambda: server.gate.with_name("gate.holding").exists(), 30, "the writer to hold the first job")
+        server.post("/generate", generate_body(prompts[1], "block-1", 2), timeout=60)  # queued
+        third = threading.Thread(target=server.post, args=("/generate", generate_body(prompts[2], "block-2", 2)))
+        third.start()
+        third.join(5)
+        assert third.is_alive(), "the scheduler went on although the queue was full"
+
+        server.gate.unlink()
+        third.join(60)
+        assert not third.is_alive()
+        manifest = wait_for_manifest(server.dump_dir, 3)
+        assert [e["rid"] for e in manifest] == ["block-0", "block-1", "block-2"]
+        stats = dump_stats(server.log())
+        assert stats["dropped"] == 0 and stats["errors"] == 0
