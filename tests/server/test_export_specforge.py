@@ -1,0 +1,130 @@
+"""scripts/export_specforge.py on a real dump: the values round-trip, the layout is
+SpecForge's, and SpecForge's own offline readers load it (specforge 0.2.0 from PyPI,
+imported without its dependencies: its readers need only torch)."""
+
+import json
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
+from tests.server.dump_checks import generate_body, random_prompts
+from scripts import export_specforge
+from scripts.lock import REPO_ROOT
+from scripts.server import Server, runtime_env, wait_for_manifest
+
+SPECFORGE = "specforge==0.2.0"
+LENGTHS = [1, 17, 64, 130, 257]
+
+
+@pytest.fixture(scope="module")
+def dump(model_l3, tmp_path_factory):
+    dump_dir = tmp_path_factory.mktemp("export") / "dump"
+    with Server(model_l3, dump_dir.with_name("server.log"), runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir))) as server:
+        server.wait_ready()
+        for i, prompt in enumerate(random_prompts(LENGTHS, seed=21)):
+            server.post("/generate", generate_body(prompt, f"export-{i}", 2))
+        wait_for_manifest(dump_dir, len(LENGTHS))
+    return dump_dir
+
+
+def test_round_trip(dump, tmp_path):
+    out = tmp_path / "out"
+    assert export_specforge.main([str(dump), str(out)]) == 0
+    entries = read_manifest(str(dump))
+    index = [json.loads(line) for line in (out / export_specforge.INDEX_NAME).read_text().splitlines()]
+    assert [(i["idx"], i["rid"], i["file"]) for i in index] == [(n, e["rid"], e["file"]) for n, e in enumerate(entries)]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.ckpt")) == \
+        sorted(f"rows_0-2000/data_{n}.ckpt" for n in range(len(entries)))
+    for n, entry in enumerate(entries):
+        record = load_dump(str(dump / entry["file"]))
+        sample = torch.load(out / "rows_0-2000" / f"data_{n}.ckpt")
+        num_tokens, num_layers, hidden_size = record.hidden_states.shape
+        assert sorted(sample) == ["aux_hidden_state", "hidden_state", "input_ids", "loss_mask"]
+        assert sample["input_ids"].dtype == sample["loss_mask"].dtype == torch.long
+        assert torch.equal(sample["input_ids"], record.token_ids)
+        assert torch.equal(sample["loss_mask"], torch.ones(num_tokens, dtype=torch.long))
+        assert sample["hidden_state"].shape == (1, num_tokens, hidden_size)
+        assert torch.equal(sample["hidden_state"][0], record.last_hidden_state)
+        assert sample["aux_hidden_state"].shape == (1, num_tokens, num_layers * hidden_size)
+        assert sample["aux_hidden_state"].dtype == record.hidden_states.dtype == torch.bfloat16
+        for k in range(num_layers):  # layers side by side, in the dump's order
+            assert torch.equal(sample["aux_hidden_state"][0, :, k * hidden_size:(k + 1) * hidden_size],
+                               record.hidden_states[:, k])
+
+
+def test_folders_of_2000(tmp_path):
+    assert export_specforge.sample_path(tmp_path, 1999) == tmp_path / "rows_0-2000" / "data_1999.ckpt"
+    assert export_specforge.sample_path(tmp_path, 2000) == tmp_path / "rows_2000-4000" / "data_2000.ckpt"
+
+
+def test_loss_masks(dump, tmp_path, capsys):
+    entries = read_manifest(str(dump))
+    masks = {e["rid"]: [n % 2 for n in range(e["num_tokens"])] for e in entries}
+    path = tmp_path / "masks.jsonl"
+    path.write_text("".join(json.dumps({"rid": rid, "loss_mask": mask}) + "\n" for rid, mask in masks.items()))
+    assert export_specforge.main([str(dump), str(tmp_path / "out"), "--loss-masks", str(path)]) == 0
+    for n, entry in enumerate(entries):
+        sample = torch.load(tmp_path / "out" / "rows_0-2000" / f"data_{n}.ckpt")
+        assert sample["loss_mask"].tolist() == masks[entry["rid"]]
+
+    masks["export-2"] = masks["export-2"][:-1]
+    path.write_text("".join(json.dumps({"rid": rid, "loss_mask": mask}) + "\n" for rid, mask in masks.items()))
+    assert export_specforge.main([str(dump), str(tmp_path / "bad"), "--loss-masks", str(path)]) == 1
+    assert "the loss mask of rid 'export-2' has 63 values, its dump has 64 tokens" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()  # checked before anything is written
+
+
+@pytest.fixture(scope="module")
+def specforge(tmp_path_factory):
+    """SpecForge's wheel, unpacked; its dependencies (sglang 0.5.14, torch 2.11) are not
+    installed: the offline readers import with those of this venv."""
+    cache = REPO_ROOT / ".cache" / "specforge"
+    unpacked = cache / SPECFORGE.replace("==", "-")
+    if not unpacked.is_dir():
+        download = tmp_path_factory.mktemp("specforge")
+        result = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", SPECFORGE,
+                                 "-d", str(download)], capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            pytest.skip(f"cannot download {SPECFORGE} from PyPI: {result.stderr.strip()[-500:]}")
+        wheel, = download.glob("*.whl")
+        zipfile.ZipFile(wheel).extractall(unpacked)
+    sys.path.insert(0, str(unpacked))
+    yield
+    sys.path.remove(str(unpacked))
+
+
+def test_specforge_reads_the_export(dump, tmp_path, specforge):
+    from specforge.data.preprocessing import build_offline_eagle3_dataset
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+    out = tmp_path / "out"
+    export_specforge.main([str(dump), str(out)])
+    records = {n: load_dump(str(dump / e["file"])) for n, e in enumerate(read_manifest(str(dump)))}
+
+    def idx(path):
+        return int(str(path).rsplit("data_", 1)[1].split(".")[0])
+
+    # The reader of SpecForge's EAGLE-3 offline training: aux in, final hidden state as target.
+    dataset = build_offline_eagle3_dataset(str(out), max_len=2048)
+    assert len(dataset) == len(records)
+    for i, path in enumerate(dataset.datapaths):
+        record, item = records[idx(path)], dataset[i]
+        num_tokens = record.token_ids.numel()
+        assert torch.equal(item["input_ids"][0], record.token_ids)
+        assert torch.equal(item["target"][0], record.last_hidden_state)
+        assert torch.equal(item["hidden_state"][0], record.hidden_states.reshape(num_tokens, -1))
+        assert item["loss_mask"][0].tolist() == [1] * (num_tokens - 1) + [0]  # SpecForge masks the last
+
+    # Its manifest reader (SpecForge's newer data plane).
+    refs = OfflineManifestReader(str(out), validate_files=True).read()
+    assert len(refs) == len(records)
+    for ref in refs:
+        path = ref.feature_store_uri.removeprefix("file://")
+        features, record = load_feature_file(path), records[idx(path)]
+        assert ref.num_tokens == record.token_ids.numel()
+        assert torch.equal(features["aux_hidden_state"][0], record.hidden_states.reshape(ref.num_tokens, -1))
