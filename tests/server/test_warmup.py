@@ -99,7 +99,7 @@ def naive_tree(tmp_path):
     checkout = Path(os.environ["SGLANG_CHECKOUT"])
     tree = tmp_path / "naive"
     subprocess.run(["git", "-C", checkout, "worktree", "add", "--detach", "-q", tree, "upstream"], check=True)
-    subprocess.run(["git", "-C", tree, "apply", FIXTURES / "naive-capture-0.5.9.patch"], check=True)
+    subprocess.run(["git", "-C", tree, "apply", FIXTURES / f"naive-capture-{os.environ['SGLANG_VERSION']}.patch"], check=True)
     yield tree
     subprocess.run(["git", "-C", checkout, "worktree", "remove", "--force", tree], check=True)
 
