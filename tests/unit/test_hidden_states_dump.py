@@ -11,6 +11,10 @@ the wrong request or position cannot match.
 import json
 import os
 import re
+import resource
+import signal
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -31,7 +35,6 @@ from sglang.srt.managers.hidden_states_dump import (
     requests_to_dump,
     wants_dump,
 )
-from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 HIDDEN_SIZE = 3
@@ -107,6 +110,10 @@ def test_default_layer_ids_of_shallow_models_are_valid(num_layers):
 
 
 def make_req(rid, prompt=(1, 2, 3), output_ids=()):
+    # Imported here, not at the top: schedule_batch takes seconds to import, which the
+    # child process of the full-disk test would pay for nothing.
+    from sglang.srt.managers.schedule_batch import Req
+
     req = Req(rid, "", list(prompt), SamplingParams(max_new_tokens=4))
     req.output_ids.extend(output_ids)
     return req
@@ -127,6 +134,25 @@ def make_req(rid, prompt=(1, 2, 3), output_ids=()):
 )
 def test_wants_dump(rid, output_ids, dumped):
     assert wants_dump(make_req(rid, output_ids=output_ids)) is dumped
+
+
+def test_an_aborted_request_is_not_dumped():
+    # An abort takes effect only after the prefill it arrived during.
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    req = make_req("client-1")
+    req.to_finish = FINISH_ABORT("client went away")
+
+    assert not wants_dump(req)
+
+
+def test_a_finished_request_is_not_dumped():
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    req = make_req("client-1")
+    req.finished_reason = FINISH_LENGTH(length=0)
+
+    assert not wants_dump(req)
 
 
 def test_requests_to_dump_follows_the_batch_order():
@@ -168,6 +194,12 @@ def test_check_dump_dir_refuses_a_file(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="not a writable directory"):
         check_dump_dir(str(tmp_path / "file"))
+
+
+def test_check_dump_dir_refuses_a_path_no_one_can_create():
+    # procfs refuses new directories, also to root.
+    with pytest.raises(ValueError, match="not a writable directory"):
+        check_dump_dir("/proc/hidden-states-dump")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
@@ -305,7 +337,7 @@ def wait_for_manifest(dump_dir, rids, timeout=WAIT_TIMEOUT_S) -> List[dict]:
             return lines
         if time.monotonic() > deadline:
             raise AssertionError(
-                f"after {timeout}s the manifest names {[l['rid'] for l in lines]}, "
+                f"after {timeout}s the manifest names {[line['rid'] for line in lines]}, "
                 f"not all of {list(rids)}"
             )
         time.sleep(0.01)
@@ -346,8 +378,8 @@ def assert_dumped(dump_dir, line, token_ids, layer_ids) -> None:
 def assert_dir_holds_exactly(dump_dir, lines) -> None:
     """The dump directory holds the manifest and the files it names, nothing else (no
     temporary files)."""
-    names = sorted(os.listdir(dump_dir))
-    assert names == sorted([hidden_states_dump.MANIFEST_NAME] + [l["file"] for l in lines])
+    expected = [hidden_states_dump.MANIFEST_NAME] + [line["file"] for line in lines]
+    assert sorted(os.listdir(dump_dir)) == sorted(expected)
     assert all(FILE_NAME.match(line["file"]) for line in lines)
 
 
@@ -454,6 +486,18 @@ def test_a_request_that_leaves_mid_chunking_is_discarded(dump_dir):
     assert [line["rid"] for line in wait_for_writer(dumper, dump_dir)] == ["other"]
 
 
+def test_a_request_no_longer_dumped_mid_chunking_is_discarded(dump_dir):
+    # Aborted between two chunks: still in the batch, but no longer dumped.
+    dumper = start_dumper(dump_dir, [2])
+    tokens = prompt(100, 8)
+
+    run_forward(dumper, [(DumpRequest("aborted", 8), tokens[0:4], 0)])
+    run_forward(dumper, [(None, tokens[4:8], 4)])
+
+    assert stats(dumper)["discarded"] == 1
+    assert wait_for_writer(dumper, dump_dir) == []
+
+
 def test_a_chunk_without_its_start_gives_no_file(dump_dir):
     dumper = start_dumper(dump_dir, [2])
     tokens = prompt(100, 8)
@@ -478,8 +522,8 @@ def test_a_chunk_that_skips_positions_gives_no_file(dump_dir):
 def test_rows_beyond_the_prompt_are_not_dumped(dump_dir):
     layer_ids = [0, 4]
     dumper = start_dumper(dump_dir, layer_ids)
-    mixed_prompt, decoding = prompt(100, 4), prompt(200, 7)
-    retracted = prompt(300, 5) + [390, 391]
+    mixed_prompt = prompt(100, 4)
+    with_output = prompt(300, 5) + [390, 391]
     chunked = prompt(400, 6) + [490, 491]
 
     # A MIXED batch: a prefill next to a running request decoding its 8th token.
@@ -487,11 +531,15 @@ def test_rows_beyond_the_prompt_are_not_dumped(dump_dir):
         dumper,
         [(DumpRequest("mixed", 4), mixed_prompt, 0), (None, [299], 7)],
     )
-    # An extend longer than the prompt (prompt and two generated tokens, as a retracted
-    # request prefills again), and a chunk that runs past the end of its prompt.
+    # An extend of a prompt and two generated tokens (what a retracted request prefills
+    # again; requests_to_dump does not hand it over, the dumper must not rely on that),
+    # and a chunk that runs past the end of its prompt.
     run_forward(
         dumper,
-        [(DumpRequest("past-end", 5), retracted, 0), (DumpRequest("chunked", 6), chunked[0:4], 0)],
+        [
+            (DumpRequest("past-end", 5), with_output, 0),
+            (DumpRequest("chunked", 6), chunked[0:4], 0),
+        ],
     )
     run_forward(dumper, [(DumpRequest("chunked", 6), chunked[4:8], 4)])
     # A request whose prompt is done has no prompt rows left.
@@ -501,7 +549,7 @@ def test_rows_beyond_the_prompt_are_not_dumped(dump_dir):
     by_rid = {line["rid"]: line for line in lines}
     assert sorted(by_rid) == ["chunked", "mixed", "past-end"]
     assert_dumped(dump_dir, by_rid["mixed"], mixed_prompt, layer_ids)
-    assert_dumped(dump_dir, by_rid["past-end"], retracted[:5], layer_ids)
+    assert_dumped(dump_dir, by_rid["past-end"], with_output[:5], layer_ids)
     assert_dumped(dump_dir, by_rid["chunked"], chunked[:6], layer_ids)
     assert stats(dumper)["errors"] == 0
 
@@ -529,7 +577,7 @@ HOSTILE_RIDS = [
 def test_hostile_rids_stay_data(tmp_path):
     dump_dir = tmp_path / "a" / "b" / "dump"
     dump_dir.mkdir(parents=True)
-    before = set(os.listdir("/"))
+    assert not os.path.lexists("/abs/path")
     dumper = start_dumper(dump_dir, [1, 2])
     prompts = {rid: prompt(1000 + 10 * i, 3) for i, rid in enumerate(HOSTILE_RIDS)}
 
@@ -547,7 +595,7 @@ def test_hostile_rids_stay_data(tmp_path):
         os.path.join(root, name) for root, _, names in os.walk(tmp_path) for name in names
     ]
     assert all(os.path.dirname(path) == str(dump_dir) for path in written)
-    assert set(os.listdir("/")) == before
+    assert not os.path.lexists("/abs/path")
     assert stats(dumper)["errors"] == 0
 
 
@@ -582,8 +630,145 @@ def test_every_manifest_line_names_a_complete_file(dump_dir):
     assert_dir_holds_exactly(dump_dir, lines)
 
 
+def wait_for_stats(dumper, done, timeout=WAIT_TIMEOUT_S) -> Dict[str, int]:
+    """Poll the dumper's counters until `done(counters)` holds."""
+    deadline = time.monotonic() + timeout
+    while not done(stats(dumper)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {timeout}s: {dumper.stats}")
+        time.sleep(0.01)
+    return stats(dumper)
+
+
+def submit_many(dumper, count) -> List[str]:
+    rids = [f"r{i}" for i in range(count)]
+    for i, rid in enumerate(rids):
+        run_forward(dumper, [(DumpRequest(rid, 64), prompt(1000 + 100 * i, 64), 0)])
+    return rids
+
+
+def test_a_full_queue_blocks_by_default_and_loses_nothing(dump_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_HS_DUMP_QUEUE_SIZE", "1")
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
+
+    rids = submit_many(dumper, 30)
+    lines = wait_for_manifest(dump_dir, rids)
+
+    assert [line["rid"] for line in lines] == rids
+    assert stats(dumper)["dropped"] == 0
+
+
+def test_a_full_queue_in_drop_mode_drops_whole_requests(dump_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_HS_DUMP_QUEUE_SIZE", "1")
+    monkeypatch.setenv("SGLANG_HS_DUMP_ON_FULL_QUEUE", "drop")
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
+
+    rids = submit_many(dumper, 100)
+    counters = wait_for_stats(dumper, lambda c: c["files"] + c["dropped"] == 100)
+    lines = read_manifest(str(dump_dir))
+
+    # However many were dropped, each request is either whole on disk or counted.
+    assert len(lines) == counters["files"]
+    for line in lines:
+        i = rids.index(line["rid"])
+        assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [0, 1, 2, 3, 4])
+    assert_dir_holds_exactly(dump_dir, lines)
+
+
+def manifest_lines_strictly(dump_dir) -> List[dict]:
+    """Every line of the manifest, each required to be whole JSON ending in a newline
+    (stricter than read_manifest, which tolerates a torn last line)."""
+    data = (dump_dir / hidden_states_dump.MANIFEST_NAME).read_bytes()
+    assert data.endswith(b"\n")
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def test_read_manifest_skips_a_torn_last_line_only(dump_dir):
+    # What a reader sees while a line is being appended, or after a kill mid-append.
+    dumper = start_dumper(dump_dir, [1])
+    run_forward(dumper, [(DumpRequest("whole", 2), prompt(100, 2), 0)])
+    wait_for_manifest(dump_dir, ["whole"])
+    manifest = dump_dir / hidden_states_dump.MANIFEST_NAME
+    whole = manifest.read_bytes()
+
+    manifest.write_bytes(whole + b'{"rid": "torn", "fi')
+    assert [line["rid"] for line in read_manifest(str(dump_dir))] == ["whole"]
+
+    manifest.write_bytes(b'{"rid": "torn", "fi\n' + whole)
+    with pytest.raises(ValueError, match=":1:"):
+        read_manifest(str(dump_dir))
+
+
+def test_a_torn_manifest_line_is_cut_when_the_dumper_starts(dump_dir):
+    # A server killed in the middle of appending a line, then started again.
+    dumper = start_dumper(dump_dir, [1])
+    run_forward(dumper, [(DumpRequest("before", 2), prompt(100, 2), 0)])
+    wait_for_manifest(dump_dir, ["before"])
+    with open(dump_dir / hidden_states_dump.MANIFEST_NAME, "ab") as f:
+        f.write(b'{"rid": "killed", "file": "2026')
+
+    dumper = start_dumper(dump_dir, [1])
+    run_forward(dumper, [(DumpRequest("after", 2), prompt(200, 2), 0)])
+    wait_for_manifest(dump_dir, ["after"])
+
+    lines = manifest_lines_strictly(dump_dir)
+    assert [line["rid"] for line in lines] == ["before", "after"]
+    assert_dumped(dump_dir, lines[1], prompt(200, 2), [1])
+
+
+FULL_DISK_BYTES = 4096
+
+
+def dump_onto_a_full_disk(dump_dir: str) -> None:
+    """Run in a child process, as the limit is per process: RLIMIT_FSIZE caps every file
+    at FULL_DISK_BYTES, a full disk that the small data files stay under and the growing
+    manifest runs into, cut short in the middle of a line. Dumps until a write fails,
+    then lifts the limit (space freed) and dumps one more request, "after"."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    dumper = start_dumper(dump_dir, [1])
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FULL_DISK_BYTES, hard))
+    for i in range(FULL_DISK_BYTES):
+        run_forward(dumper, [(DumpRequest(f"r{i}", 2), prompt(100 + 10 * i, 2), 0)])
+        counters = wait_for_stats(dumper, lambda c: c["files"] + c["errors"] == i + 1)
+        if counters["errors"]:
+            break
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    run_forward(dumper, [(DumpRequest("after", 2), prompt(90_000, 2), 0)])
+    wait_for_manifest(dump_dir, ["after"])
+
+
+def test_a_manifest_line_cut_by_a_full_disk_does_not_spoil_the_next(dump_dir):
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.unit.test_hidden_states_dump import "
+            "dump_onto_a_full_disk; dump_onto_a_full_disk(sys.argv[1])",
+            str(dump_dir),
+        ],
+        cwd=repo_root,
+        env=dict(os.environ, PYTHONPATH=os.environ["SGLANG_CHECKOUT"]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+
+    lines = manifest_lines_strictly(dump_dir)
+    rids = [line["rid"] for line in lines]
+    # r0..r{n-1} were written, r{n} failed on the manifest, then "after".
+    assert rids == [f"r{i}" for i in range(len(rids) - 1)] + ["after"]
+    for line in lines[:-1]:
+        assert_dumped(dump_dir, line, prompt(100 + 10 * int(line["rid"][1:]), 2), [1])
+    assert_dumped(dump_dir, lines[-1], prompt(90_000, 2), [1])
+    assert_dir_holds_exactly(dump_dir, lines)
+
+
 def test_stale_temporary_files_are_removed_at_start(dump_dir):
-    stale = dump_dir / (hidden_states_dump.TEMP_PREFIX + "20260101T000000-00000000-000000001.safetensors")
+    stale_name = "20260101T000000-00000000-000000001.safetensors"
+    stale = dump_dir / (hidden_states_dump.TEMP_PREFIX + stale_name)
     stale.write_bytes(b"half a file")
     kept = dump_dir / "notes.txt"
     kept.write_text("not ours")

@@ -15,6 +15,7 @@ from typing import List
 
 import pytest
 import torch
+from torch import nn
 
 from sglang.srt.layers import logits_processor as patched
 from sglang.srt.layers.logits_processor import LogitsMetadata
@@ -176,14 +177,16 @@ def same(ours, theirs) -> bool:
 
 
 def bare_processor(module):
-    """A LogitsProcessor of `module` made without __init__.
+    """A LogitsProcessor of `module` whose own __init__ did not run.
 
-    __init__ reads the global server args and the tensor-parallel group, which need a
-    distributed environment. The two methods under test read nothing from self (they
-    only use their arguments), so an instance whose __init__ did not run is enough,
-    and the tests call the real methods through it.
+    LogitsProcessor.__init__ reads the global server args and the tensor-parallel group,
+    which need a distributed environment. The two methods under test read nothing from
+    self (only their arguments), so the real methods are called on an instance set up
+    as a bare nn.Module.
     """
-    return module.LogitsProcessor.__new__(module.LogitsProcessor)
+    processor = module.LogitsProcessor.__new__(module.LogitsProcessor)
+    nn.Module.__init__(processor)
+    return processor
 
 
 def prune_and_store(module, case, capture_hidden_mode, aux):
@@ -336,12 +339,24 @@ def test_empty_aux_list_is_stored_like_no_aux(case):
 def test_upstream_loses_aux_with_logprobs(case, upstream):
     """The negative control: the checks above fail on upstream's file."""
     _, aux = make_states(case.num_tokens)
-    metadata = case.logits_metadata(CaptureHiddenMode.NULL)
-    hidden_states, _ = make_states(case.num_tokens)
-    _, _, aux_pruned_states, *_ = bare_processor(upstream)._get_pruned_states(
-        hidden_states, None, aux, metadata
+
+    _, aux_pruned_states, _, _ = prune_and_store(
+        upstream, case, CaptureHiddenMode.NULL, aux
     )
     assert aux_pruned_states is None
-
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError):  # torch.cat(None)
         prune_and_store(upstream, case, CaptureHiddenMode.LAST, aux)
+
+
+@by_name(CASES)
+@pytest.mark.parametrize(
+    "capture_hidden_mode", [CaptureHiddenMode.FULL, CaptureHiddenMode.LAST], ids=mode_name
+)
+def test_upstream_fails_on_an_empty_aux_list(case, capture_hidden_mode, upstream):
+    """The negative control of test_empty_aux_list_is_stored_like_no_aux."""
+    _, aux = make_states(case.num_tokens)
+
+    # torch.cat([]) (ValueError in torch 2.9, RuntimeError before), or torch.cat(None)
+    # where upstream also loses the aux rows
+    with pytest.raises((ValueError, RuntimeError, TypeError), match="cat"):
+        prune_and_store(upstream, case, capture_hidden_mode, [])
