@@ -203,7 +203,8 @@ def test_sigkill_mid_dump_and_restart(model_l3, tmp_path):
                     first.post("/generate", generate_body(prompts[i], f"killed-{i}", 8))
                 except (OSError, urllib.error.URLError):
                     pass  # the server is killed under it
-            list(pool.map(lambda i: pool.submit(send, i), range(64)))
+            for i in range(64):
+                pool.submit(send, i)
             wait_for_manifest(dump_dir, 5)
             first.kill()
     finally:
