@@ -10,3 +10,7 @@ import sglang  # noqa: E402
 assert os.path.realpath(sglang.__file__).startswith(
     os.path.realpath(os.environ["SGLANG_CHECKOUT"]) + os.sep
 ), f"imported {sglang.__file__}, not the checkout {os.environ['SGLANG_CHECKOUT']}"
+
+
+# The release under test: the series differs where upstream changed.
+RELEASE = tuple(int(part) for part in os.environ["SGLANG_VERSION"].split("."))

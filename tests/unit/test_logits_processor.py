@@ -20,6 +20,7 @@ from torch import nn
 from sglang.srt.layers import logits_processor as patched
 from sglang.srt.layers.logits_processor import LogitsMetadata
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+from tests.unit.conftest import RELEASE
 
 HIDDEN_SIZE = 4
 NUM_AUX = 3
@@ -335,6 +336,7 @@ def test_empty_aux_list_is_stored_like_no_aux(case):
     assert torch.equal(last, hidden_states[case.sampled])
 
 
+@pytest.mark.skipif(RELEASE >= (0, 5, 14), reason="upstream prunes aux with input logprobs from 0.5.14 on")
 @by_name(LOGPROB_CASES)
 def test_upstream_loses_aux_with_logprobs(case, upstream):
     """The negative control: the checks above fail on upstream's file."""
