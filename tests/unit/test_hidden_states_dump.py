@@ -780,3 +780,28 @@ def test_a_rank_that_does_not_write_dumps_nothing(dump_dir):
 
 def test_read_manifest_of_an_empty_directory(dump_dir):
     assert read_manifest(str(dump_dir)) == []
+
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "barrier", "broadcast",
+               "broadcast_object_list", "reduce_scatter", "gather", "scatter", "send", "recv",
+               "tensor_model_parallel_all_reduce", "tensor_model_parallel_all_gather"}
+
+
+def test_the_dump_module_calls_no_collective():
+    """Only the writing rank runs most of the dump, so a collective in it would hang the
+    other ranks: the module must not call one (the capture's gather runs in the model, on
+    every rank)."""
+    import ast
+    import inspect
+
+    from sglang.srt.managers import hidden_states_dump
+
+    tree = ast.parse(inspect.getsource(hidden_states_dump))
+    called = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+              for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names} | {node.module for node in ast.walk(tree)
+                                            if isinstance(node, ast.ImportFrom) and node.module}
+    assert not called & COLLECTIVES
+    assert "torch.distributed" not in imported
+    assert "get_pp_group" in called, "the check must see the module's calls"
