@@ -82,5 +82,10 @@ test: test-tools ## everything CI runs
 demo: apply runtime ## the main job on the embedded tiny model: dump a few prompts and summarise the files
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.demo
 
+BENCH_SUITES ?= prefill hidden write scaling
+bench: apply runtime ## benchmarks (scripts/bench_dump.py) into results/bench-<host kind>-<version>.json; see BENCHMARKS.md
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench_dump $(foreach suite,$(BENCH_SUITES),--suite $(suite)) \
+		--out results/bench-$(if $(shell command -v nvidia-smi),gpu,cpu)-$(VERSION).json
+
 clean: ## remove checkouts, venvs and caches
 	rm -rf .sglang .venv .cache

@@ -135,7 +135,10 @@ def test_client_gone_in_the_middle_of_a_chunked_prefill(server):
     wait_for_chunks(server, first_forward, 3)
     connection.sock.shutdown(2)
     connection.close()
-    wait_until(lambda: discard_lines(server.log()[len(log_before):], rid), 60, "the dump to discard its chunks")
+    # The dump lets go of a request's chunks at the first prefill batch that does not
+    # continue it: 0.5.9 runs one by itself after the abort, 0.5.14 only with the next
+    # request, which assert_left_without_trace sends.
+    time.sleep(2)
     left_after, stats = assert_left_without_trace(server, rid, log_before)
     print(f"left after {left_after} tokens; {stats}")
 
