@@ -32,8 +32,8 @@ from scripts.tiny_model import ensure_model
 
 PRESETS = {
     # 2 CPU cores: small enough to finish in minutes.
-    "cpu": dict(model=dict(layers=4), prompts=32, prompt_len=256, repeats=3, server_args=(),
-                lengths=(128, 512, 2048), layer_counts=(1, 2, 3, 4), hidden_prompts=16),
+    "cpu": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=3, server_args=(),
+                lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
     # Up to three servers share the GPU.
     "gpu": dict(model=dict(layers=4, widths="deepseek", hidden_size=7168), prompts=256, prompt_len=512,
@@ -101,13 +101,15 @@ def suite_prefill(model, preset, work: Path) -> dict:
     try:
         for server in servers.values():
             server.wait_ready()
-        prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=1)
         tokens = preset["prompts"] * preset["prompt_len"]
         names = list(servers)
         for name in names:  # one untimed round each: compile caches, allocator warm-up
             send_all(servers[name], prompts_for(8, preset["prompt_len"], seed=99))
         seconds = {name: [] for name in names}
         for round_index in range(preset["repeats"]):
+            # New prompts every round: a repeated prompt would hit the prefix cache of the
+            # servers that do not dump and compare a cache hit with a full prefill.
+            prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=1000 + round_index)
             order = names[round_index % len(names):] + names[: round_index % len(names)]
             for name in order:
                 seconds[name].append(send_all(servers[name], prompts))
@@ -127,33 +129,35 @@ def suite_prefill(model, preset, work: Path) -> dict:
 def suite_hidden(model, preset, work: Path) -> dict:
     dump_dir = work / "dump-hidden"
     env = {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_LAYERS": "3"}
-    prompts = prompts_for(preset["hidden_prompts"], preset["prompt_len"], seed=2)
-    tokens = len(prompts) * preset["prompt_len"]
+    tokens = preset["hidden_prompts"] * preset["prompt_len"]
     server = start(model, work, "hidden", env, ["--enable-return-hidden-states"])
     dump_rates, http_rates = [], []
     try:
         server.wait_ready()
         send_all(server, prompts_for(4, preset["prompt_len"], seed=98))
         done = len(wait_for_manifest(dump_dir, 4))
-        for _ in range(preset["repeats"]):
+        for round_index in range(preset["repeats"]):
+            prompts = prompts_for(preset["hidden_prompts"], preset["prompt_len"], seed=2000 + round_index)
             started = time.perf_counter()
             send_all(server, prompts)
             done += len(prompts)
             wait_for_manifest(dump_dir, done, timeout=600)
             dump_rates.append(tokens / (time.perf_counter() - started))
             started = time.perf_counter()
-            send_all(server, prompts, return_hidden_states=True)
+            send_all(server, prompts_for(len(prompts), preset["prompt_len"], seed=3000 + round_index),
+                     return_hidden_states=True)
             http_rates.append(tokens / (time.perf_counter() - started))
     finally:
         server.stop()
     hf_rates = transformers_rates(model, prompts, preset["repeats"])
+    workload = f"{preset['hidden_prompts']} prompts x {preset['prompt_len']} tokens"
     return {
         "hidden_tokens_per_s": {"dump (1 layer, to disk)": summary(dump_rates),
                                 "return_hidden_states (HTTP)": summary(http_rates),
                                 "transformers output_hidden_states": summary(hf_rates)},
         "ratio": {"dump / return_hidden_states": summary([d / h for d, h in zip(dump_rates, http_rates)]),
                   "dump / transformers": summary([d / h for d, h in zip(dump_rates, hf_rates)])},
-        "workload": f"{len(prompts)} prompts x {preset['prompt_len']} tokens",
+        "workload": workload,
     }
 
 
@@ -189,7 +193,6 @@ def suite_write(model, preset, work: Path) -> dict:
                        check=True, capture_output=True)
         dd_rates.append(size_mb * 2**20 / (time.perf_counter() - started))
         target.unlink()
-    prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=3)
     servers = {"dump on": start(model, work, "write-on", {"SGLANG_HS_DUMP_DIR": str(dump_dir)}),
                "dump off": start(model, work, "write-off", {})}
     dump_rates, rss = [], {}
@@ -197,7 +200,8 @@ def suite_write(model, preset, work: Path) -> dict:
         for server in servers.values():
             server.wait_ready()
         done = 0
-        for _ in range(preset["repeats"]):
+        for round_index in range(preset["repeats"]):
+            prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=4000 + round_index)
             before = sum(p.stat().st_size for p in dump_dir.glob("*.safetensors"))
             started = time.perf_counter()
             send_all(servers["dump on"], prompts)
@@ -214,7 +218,7 @@ def suite_write(model, preset, work: Path) -> dict:
     return {"bytes_per_s": {"dump": summary(dump_rates), "dd conv=fsync": summary(dd_rates)},
             "ratio": {"dump / dd": summary([d / r for d, r in zip(dump_rates, dd_rates)])},
             "server_rss_kib_after": rss, "filesystem": filesystem,
-            "workload": f"{len(prompts)} prompts x {preset['prompt_len']} tokens per round, default layers"}
+            "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens per round, default layers"}
 
 
 def suite_scaling(model, preset, work: Path) -> dict:
@@ -246,11 +250,12 @@ def suite_scaling(model, preset, work: Path) -> dict:
 
 def _time_ratio(base: Server, dumping: Server, preset, length: int) -> dict:
     count = max(4, preset["prompts"] * preset["prompt_len"] // length // 4)
-    prompts = prompts_for(count, length, seed=length)
-    send_all(base, prompts[:2])
-    send_all(dumping, prompts[:2])
+    warm_up = prompts_for(2, length, seed=length)
+    send_all(base, warm_up)
+    send_all(dumping, warm_up)
     on, off = [], []
-    for _ in range(preset["repeats"]):
+    for round_index in range(preset["repeats"]):
+        prompts = prompts_for(count, length, seed=length * 100 + round_index)
         off.append(send_all(base, prompts))
         on.append(send_all(dumping, prompts))
     return {"prompts": count, "tokens": count * length, "ratio_on_over_off_time": summary([a / b for a, b in zip(on, off)])}
