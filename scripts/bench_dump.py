@@ -30,14 +30,19 @@ from typing import Dict, List
 from scripts.server import Server, has_gpu, runtime_env, wait_for_manifest
 from scripts.tiny_model import ensure_model
 
+# Every contender prefills whole prompts. A dumped prompt never matches a cached prefix; the
+# others would match the first tokens random prompts share, and on DeepSeek a batch with any
+# prefix takes another attention path (on the CPU the absorbed-MLA one, several times slower).
+NO_PREFIX_CACHE = ("--disable-radix-cache",)
+
 PRESETS = {
     # 2 CPU cores: small enough to finish in minutes.
-    "cpu": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=3, server_args=(),
+    "cpu": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=3, server_args=NO_PREFIX_CACHE,
                 lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
     # Up to three servers share the GPU.
     "gpu": dict(model=dict(layers=4, widths="deepseek", hidden_size=7168), prompts=256, prompt_len=512,
-                repeats=5, server_args=("--mem-fraction-static", "0.25", "--max-total-tokens", "262144"),
+                repeats=5, server_args=NO_PREFIX_CACHE + ("--mem-fraction-static", "0.25", "--max-total-tokens", "262144"),
                 lengths=(128, 512, 2048, 8192), layer_counts=(1, 4), hidden_prompts=64),
 }
 
