@@ -71,6 +71,13 @@ def half_applied_advice(inspection: Inspection) -> str:
         names = ", ".join(p.name for p in inspection.patches[: state.applied_count])
         return (f"The tree is half-applied: {names} are in, the rest of the series is not. "
                 f"Run `make revert` to take them out, then `make apply`.")
+    if inspection.pinned:
+        return (f"The pinned checkout {inspection.tree.root} differs from "
+                f"patches/v{inspection.release.version}: it holds another version of the series "
+                "(an older one, or commits not refreshed yet) or uncommitted edits. If its "
+                "commits are what you want, run `make refresh-patches`; if patches/ is, run "
+                "`make revert` (it resets the checkout to upstream; the old commits stay in its "
+                "reflog), then `make apply`.")
     return ("The tree has drifted: some hunks match neither the upstream nor the patched lines "
             "(hand edits, another release, or another patch set). Restore the upstream files "
             "(reinstall the release, or `git checkout` them in a clone), then run `make apply`.")
@@ -107,13 +114,17 @@ def revert(version=None, sglang_dir=None, lock=None) -> str:
     state = inspection.state
     if state.kind == "clean":
         return f"no patch of the series is applied in {inspection.tree.root}; nothing to do"
+    if inspection.pinned:
+        # The checkout is this project's own git repository: its upstream commit restores the
+        # upstream bytes whatever series its commits hold, unless edits are uncommitted.
+        if checkout.has_uncommitted_changes(inspection.tree):
+            raise ToolError(f"{inspection.tree.root} has uncommitted changes: commit or discard them first.")
+        old_head = checkout.reset_to_upstream(inspection.tree)
+        return f"reset {inspection.tree.root} to upstream (it was at {old_head[:12]})"
     if state.kind == "drift":
         raise ToolError(half_applied_advice(inspection))
-    if inspection.pinned:
-        checkout.reset_to_upstream(inspection.tree)
-    else:
-        current = inspection.tree.read(list(state.upstream))
-        inspection.tree.write(state.upstream, current)
+    current = inspection.tree.read(list(state.upstream))
+    inspection.tree.write(state.upstream, current)
     return f"reverted {state.applied_count} patches in {inspection.tree.root}"
 
 

@@ -77,9 +77,16 @@ def commit_series(tree: Tree, files: Files, patches: List[Patch]) -> None:
         raise
 
 
-def reset_to_upstream(tree: Tree) -> None:
+def reset_to_upstream(tree: Tree) -> str:
+    """Reset the checkout to its upstream commit; returns the commit it was at."""
     repo = git.Repo(tree.root)
+    old_head = repo.head.commit.hexsha
     repo.head.reset(UPSTREAM_TAG, index=True, working_tree=True)
+    return old_head
+
+
+def has_uncommitted_changes(tree: Tree) -> bool:
+    return git.Repo(tree.root).is_dirty(untracked_files=False)
 
 
 def patch_commits(tree: Tree) -> List[git.Commit]:

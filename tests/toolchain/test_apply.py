@@ -154,3 +154,31 @@ def test_verify_without_a_pinned_checkout_asks_for_make_apply(lock, release):
     with pytest.raises(ToolError, match="run make apply first"):
         ops.verify(lock=lock)
     assert not release.checkout_dir.exists()
+
+
+def test_pinned_checkout_with_another_version_of_the_series_is_reset_by_revert(pinned, lock, release):
+    upstream = snapshot(pinned.root)
+    ops.apply(lock=lock)
+    repo = git.Repo(pinned.root)
+    # A commit on top that rewrites a line the series added stands for an older (or not yet
+    # refreshed) version of the series.
+    patch = (release.series_dir / PATCH_NAMES[0]).read_text()
+    path = next(line[len("+++ b/"):] for line in patch.splitlines() if line.startswith("+++ b/"))
+    added = next(line[1:] for line in patch.splitlines() if line.startswith("+") and not line.startswith("+++"))
+    target = pinned.root / path
+    target.write_text(target.read_text().replace(added, added + "  # as an older series had it", 1))
+    repo.index.add([path])
+    repo.index.commit("0004-older\n\nDescription: x\nForwarded: no\nLast-Update: 2026-01-01\n")
+    old_head = repo.head.commit.hexsha
+
+    with pytest.raises(ToolError, match="make revert"):
+        ops.apply(lock=lock)
+    target.write_text(target.read_text() + "# an uncommitted edit\n")
+    with pytest.raises(ToolError, match="uncommitted"):
+        ops.revert(lock=lock)
+    repo.head.reset(index=True, working_tree=True)
+
+    assert old_head[:12] in ops.revert(lock=lock)
+    assert snapshot(pinned.root) == upstream
+    ops.apply(lock=lock)
+    assert ops.verify(lock=lock).state.kind == "applied"
