@@ -10,7 +10,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from sglang.srt.managers.hidden_states_dump import DumpRecord
-from scripts.server import has_gpu
+from scripts.server import Server, has_gpu, runtime_env
+from tests.server import oracle_hooks
 
 VOCAB_SIZE = 1024  # scripts.tiny_model
 # Every generated token is this one (a logit bias), and no prompt holds it: a decode row is
@@ -21,6 +22,17 @@ FIRST_PROMPT_TOKEN = 4
 # bit for bit; on a GPU the capture takes the fused add-norm's residual where the oracle
 # adds in bf16 itself.
 ROW_TOLERANCE = 0.0 if not has_gpu() else 1e-2
+
+
+def oracle_server(model, tmp_path, num_layers: int, extra_args: Sequence[str] = (), **env) -> Server:
+    """A server (not started) that dumps into tmp_path/dump while the oracle's hooks record
+    into tmp_path/oracle; the folders are its dump_dir and oracle_dir."""
+    dump_dir, oracle_dir = tmp_path / "dump", tmp_path / "oracle"
+    oracle_dir.mkdir()
+    server = Server(model, tmp_path / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), **env),
+                    [*extra_args, "--forward-hooks", oracle_hooks.hook_specs(oracle_dir, num_layers)])
+    server.dump_dir, server.oracle_dir = dump_dir, oracle_dir
+    return server
 
 
 def random_prompts(lengths: Sequence[int], seed: int) -> List[List[int]]:

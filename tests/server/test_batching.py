@@ -6,21 +6,20 @@ import time
 
 from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
-from tests.server.dump_checks import OUTPUT_TOKEN, assert_matches_oracle, generate_body, post_all, random_prompts
-from scripts.server import Server, runtime_env, wait_for_manifest
+from tests.server.dump_checks import (
+    OUTPUT_TOKEN, assert_matches_oracle, generate_body, oracle_server, post_all, random_prompts)
+from scripts.server import wait_for_manifest
 
 NUM_REQUESTS = 96
 NUM_LAYERS = 3
 
 
 def test_concurrent_requests_each_equal_the_oracle(model_l3, tmp_path):
-    dump_dir, oracle_dir = tmp_path / "dump", tmp_path / "oracle"
-    oracle_dir.mkdir()
     rng = random.Random(0)
     prompts = random_prompts([rng.randint(1, 500) for _ in range(NUM_REQUESTS)], seed=1)
     bodies = [generate_body(p, f"batch-{i}", max_new_tokens=rng.randint(1, 16)) for i, p in enumerate(prompts)]
-    server = Server(model_l3, tmp_path / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir)),
-                    ["--enable-mixed-chunk", "--forward-hooks", oracle_hooks.hook_specs(oracle_dir, NUM_LAYERS)])
+    server = oracle_server(model_l3, tmp_path, NUM_LAYERS, ["--enable-mixed-chunk"])
+    dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
     with server:
         server.wait_ready()
         start = time.monotonic()

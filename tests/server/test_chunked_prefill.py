@@ -5,7 +5,6 @@ file, no manifest line and no held chunks."""
 
 import http.client
 import json
-import random
 import re
 import threading
 import time
@@ -16,8 +15,8 @@ import pytest
 from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
 from tests.server import oracle_hooks
 from tests.server.dump_checks import (
-    assert_matches_oracle, dump_stats, generate_body, post_all, random_prompts, wait_until)
-from scripts.server import Server, runtime_env, wait_for_manifest
+    assert_matches_oracle, dump_stats, generate_body, oracle_server, post_all, random_prompts, wait_until)
+from scripts.server import wait_for_manifest
 
 CHUNK = 64
 NUM_LAYERS = 3
@@ -29,16 +28,11 @@ LONG_PROMPT = 1024
 @pytest.fixture(scope="module")
 def server(model_l3, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("chunked")
-    dump_dir, oracle_dir = tmp_path / "dump", tmp_path / "oracle"
-    oracle_dir.mkdir()
     # The tokenizer manager checks for a gone client at this interval in seconds (default 4).
-    env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_REQUEST_STATE_WAIT_TIMEOUT="1")
-    server = Server(model_l3, tmp_path / "server.log", env,
-                    ["--chunked-prefill-size", str(CHUNK),
-                     "--forward-hooks", oracle_hooks.hook_specs(oracle_dir, NUM_LAYERS)])
+    server = oracle_server(model_l3, tmp_path, NUM_LAYERS, ["--chunked-prefill-size", str(CHUNK)],
+                           SGLANG_REQUEST_STATE_WAIT_TIMEOUT="1")
     with server:
         server.wait_ready()
-        server.dump_dir, server.oracle_dir = dump_dir, oracle_dir
         yield server
 
 

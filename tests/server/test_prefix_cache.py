@@ -9,8 +9,9 @@ import pytest
 
 from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
 from tests.server import oracle_hooks
-from tests.server.dump_checks import FIRST_PROMPT_TOKEN, VOCAB_SIZE, assert_matches_oracle, generate_body, post_all
-from scripts.server import Server, runtime_env, wait_for_manifest
+from tests.server.dump_checks import (
+    FIRST_PROMPT_TOKEN, VOCAB_SIZE, assert_matches_oracle, generate_body, oracle_server, post_all)
+from scripts.server import wait_for_manifest
 
 NUM_LAYERS = 3
 
@@ -18,13 +19,9 @@ NUM_LAYERS = 3
 @pytest.fixture(scope="module")
 def server(model_l3, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("prefix")
-    dump_dir, oracle_dir = tmp_path / "dump", tmp_path / "oracle"
-    oracle_dir.mkdir()
-    server = Server(model_l3, tmp_path / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir)),
-                    ["--forward-hooks", oracle_hooks.hook_specs(oracle_dir, NUM_LAYERS)])
+    server = oracle_server(model_l3, tmp_path, NUM_LAYERS)
     with server:
         server.wait_ready()
-        server.dump_dir, server.oracle_dir = dump_dir, oracle_dir
         yield server
 
 

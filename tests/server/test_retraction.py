@@ -6,22 +6,19 @@ import random
 
 from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
-from tests.server.dump_checks import assert_matches_oracle, generate_body, post_all, random_prompts
-from scripts.server import Server, runtime_env, wait_for_manifest
+from tests.server.dump_checks import assert_matches_oracle, generate_body, oracle_server, post_all, random_prompts
+from scripts.server import wait_for_manifest
 
 NUM_REQUESTS = 24
 NUM_LAYERS = 3
 
 
 def test_retracted_requests_are_dumped_once(model_l3, tmp_path):
-    dump_dir, oracle_dir = tmp_path / "dump", tmp_path / "oracle"
-    oracle_dir.mkdir()
     rng = random.Random(19)
     prompts = random_prompts([rng.randint(100, 200) for _ in range(NUM_REQUESTS)], seed=20)
     bodies = [generate_body(p, f"retract-{i}", max_new_tokens=300) for i, p in enumerate(prompts)]
-    server = Server(model_l3, tmp_path / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir)),
-                    ["--max-total-tokens", "2048",
-                     "--forward-hooks", oracle_hooks.hook_specs(oracle_dir, NUM_LAYERS)])
+    server = oracle_server(model_l3, tmp_path, NUM_LAYERS, ["--max-total-tokens", "2048"])
+    dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
     with server:
         server.wait_ready()
         responses = post_all(server, bodies, workers=NUM_REQUESTS)

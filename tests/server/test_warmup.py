@@ -17,6 +17,7 @@ import torch
 
 from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
+from tests.server.dump_checks import oracle_server
 from scripts.server import REPO_ROOT, Server, ServerFailed, runtime_env, wait_for_manifest
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
@@ -32,14 +33,10 @@ def eagle3_default_layers(num_layers: int):
 
 
 def run_one_prefill(model: Path, tmp_path: Path, num_layers: int, layers_env, prompt_len: int):
-    dump_dir, oracle_dir = tmp_path / "dump", tmp_path / "oracle"
-    oracle_dir.mkdir()
-    extra = {"SGLANG_HS_DUMP_DIR": str(dump_dir)}
-    if layers_env is not None:
-        extra["SGLANG_HS_DUMP_LAYERS"] = layers_env
+    layers = {} if layers_env is None else {"SGLANG_HS_DUMP_LAYERS": layers_env}
     prompt = random.Random(prompt_len).sample(range(5, 1000), prompt_len)
-    server = Server(model, tmp_path / "server.log", runtime_env(**extra),
-                    ["--forward-hooks", oracle_hooks.hook_specs(oracle_dir, num_layers)])
+    server = oracle_server(model, tmp_path, num_layers, **layers)
+    dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
     with server:
         server.wait_ready()
         assert not (dump_dir / "manifest.jsonl").exists(), "the server's warmup request was dumped"

@@ -38,7 +38,7 @@ def test_drop_policy_never_waits_and_counts_every_drop(model_l3, tmp_path):
             assert f"hidden states dump: queue full, dropped request 'drop-{i}'" in log
 
         server.gate.unlink()
-        manifest = wait_for_manifest(server.dump_dir, 2)
+        wait_for_manifest(server.dump_dir, 2)
         time.sleep(1)
         assert [e["rid"] for e in read_manifest(str(server.dump_dir))] == ["drop-0", "drop-1"]
         print(f"7 requests served in {served_in:.1f}s with the writer stalled")
