@@ -98,10 +98,17 @@ def request_rows(out_dir: Path, prompts: Dict[Hashable, Sequence[int]], first_fo
 
     A request's rows in one forward are a run of consecutive rows whose positions count up
     by one and whose token ids are the prompt's at those positions (one chunk of its
-    prefill). Random prompts match each other only in short runs, and a shared prefix
-    matches every prompt that has it, so runs are claimed longest first: a run is taken
-    when none of its rows is taken and its prompt does not have those positions yet. Two
-    prompts equal on a claimed run have equal rows there, so a tie is harmless.
+    prefill). A run is taken when none of its rows is taken and its prompt does not have
+    those positions yet, in two passes:
+    1. runs only one prompt explains (the same rows as a run of no other prompt), longest
+       first; a random prompt matches another's rows only in short runs, so each request's
+       own chunks win over chance matches;
+    2. runs that several prompts explain alike (a chunk that lies inside a shared prefix),
+       longest first, each to a prompt that lacks all of its positions, preferring one
+       whose gap it fills exactly. Prompts equal on such a run have equal rows there.
+    Doing the unambiguous chunks first keeps a shared-prefix chunk of one request from
+    being handed to another chunked request whose own later chunk then finds its
+    positions taken.
     """
     by_position_token = defaultdict(list)
     for key, prompt in prompts.items():
@@ -126,20 +133,38 @@ def request_rows(out_dir: Path, prompts: Dict[Hashable, Sequence[int]], first_fo
         for key, (first_row, first_position) in open_runs.items():
             runs.append((record["input_ids"].numel() - first_row, forward, first_row, first_position, key))
 
-    runs.sort(key=lambda run: (-run[0], run[1], run[2]))
+    explained_by = defaultdict(list)  # (length, forward, first row, first position) -> prompts
+    for length, forward, first_row, first_position, key in runs:
+        explained_by[(length, forward, first_row, first_position)].append(key)
+    order = sorted(explained_by, key=lambda run: (-run[0], run[1], run[2]))
     taken_rows = [torch.zeros(r["input_ids"].numel(), dtype=torch.bool) for r in records]
     covered = {key: torch.zeros(len(prompt), dtype=torch.bool) for key, prompt in prompts.items()}
     claims = defaultdict(list)
     held = defaultdict(set)
-    for length, forward, first_row, first_position, key in runs:
-        rows = slice(first_row, first_row + length)
-        positions = slice(first_position, first_position + length)
-        if taken_rows[forward][rows].any() or covered[key][positions].any():
-            continue
-        taken_rows[forward][rows] = True
-        covered[key][positions] = True
-        claims[key].append((forward, rows, positions))
-        held[forward].add(key)
+
+    def fills_gap(key, positions):
+        before = positions.start == 0 or covered[key][positions.start - 1]
+        after = positions.stop == len(covered[key]) or covered[key][positions.stop]
+        return bool(before and after)
+
+    for ambiguous in (False, True):
+        for run in order:
+            keys = explained_by[run]
+            if (len(keys) > 1) != ambiguous:
+                continue
+            length, forward, first_row, first_position = run
+            rows = slice(first_row, first_row + length)
+            positions = slice(first_position, first_position + length)
+            if taken_rows[forward][rows].any():
+                continue
+            free = [key for key in keys if not covered[key][positions].any()]
+            if not free:
+                continue
+            key = next((k for k in free if fills_gap(k, positions)), free[0])
+            taken_rows[forward][rows] = True
+            covered[key][positions] = True
+            claims[key].append((forward, rows, positions))
+            held[forward].add(key)
 
     missing = {key: (~c).nonzero().flatten()[:5].tolist() for key, c in covered.items() if not c.all()}
     assert not missing, f"prompt positions no saved forward prefilled (first few per prompt): {missing}"
