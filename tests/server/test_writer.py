@@ -1,6 +1,6 @@
-"""The writer's back-pressure policy, with a disk that stalls (tests/server/fault_hooks.py)
-and a queue of one job: `drop` never makes the scheduler wait and counts what it drops;
-`block` (the default) makes serving wait for the disk and loses nothing."""
+"""The writer's back-pressure policy, with a disk that stalls (tests/server/fault_hooks.py),
+one writer thread and a queue of one job: `drop` never makes the scheduler wait and counts
+what it drops; `block` (the default) makes serving wait for the disk and loses nothing."""
 
 import threading
 import time
@@ -15,7 +15,7 @@ def stalled_server(model, tmp_path, on_full):
     dump_dir, gate = tmp_path / "dump", tmp_path / "gate"
     gate.touch()
     env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_HS_DUMP_QUEUE_SIZE="1",
-                      SGLANG_HS_DUMP_ON_FULL_QUEUE=on_full)
+                      SGLANG_HS_DUMP_WRITER_THREADS="1", SGLANG_HS_DUMP_ON_FULL_QUEUE=on_full)
     server = Server(model, tmp_path / "server.log", env, ["--forward-hooks", stall_writer_spec(gate)])
     server.dump_dir, server.gate = dump_dir, gate
     return server

@@ -337,9 +337,9 @@ _sentinel_token = iter(range(900_000, 1_000_000))
 
 
 def wait_for_writer(dumper: HiddenStatesDumper, dump_dir) -> List[dict]:
-    """Everything submitted so far is on disk: the writer is one thread working in
-    order, so once a request dumped now appears, earlier ones are done. Returns the
-    manifest without that request."""
+    """Everything submitted so far is on disk or failed: manifest lines follow the
+    submission order, so once a request dumped now appears, earlier ones are done.
+    Returns the manifest without that request."""
     token = next(_sentinel_token)
     rid = f"sentinel-{token}"
     run_forward(dumper, [(DumpRequest(rid, 1), [token], 0)])
@@ -635,6 +635,36 @@ def submit_many(dumper, count) -> List[str]:
     for i, rid in enumerate(rids):
         run_forward(dumper, [(DumpRequest(rid, 64), prompt(1000 + 100 * i, 64), 0)])
     return rids
+
+
+def test_writer_threads_write_files_side_by_side_and_keep_the_manifest_in_order(dump_dir, monkeypatch):
+    # The first request's fsync waits until three later files are complete: only
+    # parallel writers get there, and their manifest lines still wait for the first.
+    monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "4")
+    fsync = os.fsync
+    first_file_held = []
+
+    def fsync_after_three_others(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.basename(path).startswith(hidden_states_dump.TEMP_PREFIX) and path.endswith("-000000001.safetensors"):
+            deadline = time.monotonic() + WAIT_TIMEOUT_S
+            while len([n for n in os.listdir(dump_dir) if FILE_NAME.match(n)]) < 3:
+                assert time.monotonic() < deadline, "no other writer completed a file"
+                time.sleep(0.01)
+            first_file_held.append(read_manifest(str(dump_dir)))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_after_three_others)
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
+
+    rids = submit_many(dumper, 12)
+    lines = wait_for_manifest(dump_dir, rids)
+
+    assert first_file_held == [[]]  # three files complete, none listed before the first
+    assert [line["rid"] for line in lines] == rids
+    for i, line in enumerate(lines):
+        assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [0, 1, 2, 3, 4])
+    assert_dir_holds_exactly(dump_dir, lines)
 
 
 def test_a_full_queue_blocks_by_default_and_loses_nothing(dump_dir, monkeypatch):
