@@ -4,20 +4,25 @@
 
 Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - prefill: prompt tokens/s of unpatched upstream, patched with dumping off, patched with
-  dumping on; all three servers run at once and rounds alternate between them.
+  dumping on (and, where the preset names a tmpfs, dumping to memory, which leaves the
+  disk out); the servers run at once and rounds alternate between them. A dumping
+  server's round ends when the last file of the round is in the manifest.
 - hidden: hidden-state tokens/s delivered by the dump (to disk) vs SGLang's own
   `return_hidden_states` over HTTP on the same server vs transformers' `output_hidden_states`.
 - write: the dump's write bandwidth vs `dd` to the same filesystem, and server RSS with
   dumping on vs off.
 - scaling: dump cost vs prompt length and vs number of captured layers.
 
-Ratios are reported with min/median/max over the repeats. Nothing here asserts timings.
+Ratios are reported with min/median/max over the repeats. Results are saved after every
+round; `--deadline-s` stops starting rounds (at least one runs) when time is short.
+Nothing here asserts timings.
 """
 
 import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,9 +30,9 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from scripts.server import Server, has_gpu, runtime_env, wait_for_manifest
+from scripts.server import Server, has_gpu, runtime_env
 from scripts.tiny_model import ensure_model
 
 # Every contender prefills whole prompts. A dumped prompt never matches a cached prefix; the
@@ -41,9 +46,13 @@ PRESETS = {
                 lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
     # Up to three servers share the GPU.
+    # Up to four servers share the GPU. Prefill batches of 256 x 512 tokens exceed the
+    # prefill CUDA graphs' token limit, so graphs would only serve warmup; off, servers
+    # start in a third of the time.
     "gpu": dict(model=dict(layers=4, widths="deepseek", hidden_size=7168), prompts=256, prompt_len=512,
-                repeats=5, server_args=NO_PREFIX_CACHE + ("--mem-fraction-static", "0.25", "--max-total-tokens", "262144"),
-                lengths=(128, 512, 2048, 8192), layer_counts=(1, 4), hidden_prompts=64),
+                repeats=5, server_args=NO_PREFIX_CACHE + ("--mem-fraction-static", "0.2", "--max-total-tokens", "262144",
+                                                          "--disable-cuda-graph"),
+                lengths=(128, 512, 2048, 8192), layer_counts=(1, 4), hidden_prompts=64, tmpfs_dir="/dev/shm"),
 }
 
 
@@ -60,6 +69,45 @@ def send_all(server: Server, prompts, **extra) -> float:
     with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
         list(pool.map(lambda p: server.generate(p, max_new_tokens=1, **extra), prompts))
     return time.perf_counter() - started
+
+
+def manifest_lines(dump_dir: Path) -> int:
+    path = dump_dir / "manifest.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def send_and_land(server: Server, prompts, dump_dir: Optional[Path] = None, timeout: float = 600) -> float:
+    """Seconds to prefill every prompt (all sent at once) and, for a dumping server, until
+    the manifest names a file for each: the writer's backlog is part of the cost."""
+    started = time.perf_counter()
+    target = manifest_lines(dump_dir) + len(prompts) if dump_dir else 0
+    send_all(server, prompts)
+    while dump_dir and manifest_lines(dump_dir) < target:
+        if time.perf_counter() - started > timeout:
+            raise RuntimeError(f"{dump_dir}: {manifest_lines(dump_dir)} of {target} manifest lines after {timeout}s")
+        time.sleep(0.005)
+    return time.perf_counter() - started
+
+
+def clear_files(dump_dir: Optional[Path]) -> None:
+    """Remove the dumped files (the manifest stays, for counting), so a long run neither
+    fills the disk nor measures a disk whose cache is full of earlier rounds."""
+    for path in dump_dir.glob("*.safetensors") if dump_dir else ():
+        path.unlink()
+
+
+DEADLINE = [float("inf")]  # time.monotonic() after which no new round starts
+CHECKPOINT: dict = {}  # where main saves a suite's results as they grow
+
+
+def out_of_time() -> bool:
+    return time.monotonic() > DEADLINE[0]
+
+
+def checkpoint(partial: dict) -> None:
+    if CHECKPOINT:
+        CHECKPOINT["results"][CHECKPOINT["suite"]] = dict(partial, partial=True)
+        CHECKPOINT["out"].write_text(json.dumps(CHECKPOINT["results"], indent=1))
 
 
 def summary(values: List[float]) -> Dict[str, float]:
@@ -96,39 +144,62 @@ def rss_kib(pid: int) -> int:
     return total
 
 
+def tmpfs_holds_a_round(model, preset) -> bool:
+    """Whether the preset's tmpfs has room for two rounds of dumps (4 states per token)."""
+    if not preset.get("tmpfs_dir") or not Path(preset["tmpfs_dir"]).is_dir():
+        return False
+    hidden_size = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
+    round_bytes = preset["prompts"] * preset["prompt_len"] * 4 * hidden_size * 2
+    return shutil.disk_usage(preset["tmpfs_dir"]).free > 2 * round_bytes
+
+
 def suite_prefill(model, preset, work: Path) -> dict:
-    dump_dir = work / "dump-prefill"
-    servers = {
-        "upstream": start(model, work, "upstream", {}, tree=upstream_tree()),
-        "patched, dump off": start(model, work, "patched-off", {}),
-        "patched, dump on": start(model, work, "patched-on", {"SGLANG_HS_DUMP_DIR": str(dump_dir)}),
-    }
+    dumps = {"upstream": None, "patched, dump off": None, "patched, dump on": work / "dump-prefill"}
+    if tmpfs_holds_a_round(model, preset):
+        dumps["patched, dump on (tmpfs)"] = Path(tempfile.mkdtemp(prefix="dump-prefill-", dir=preset["tmpfs_dir"]))
+    servers = {}
+    for index, (name, dump_dir) in enumerate(dumps.items()):
+        env = {"SGLANG_HS_DUMP_DIR": str(dump_dir)} if dump_dir else {}
+        servers[name] = start(model, work, f"prefill-{index}", env, tree=upstream_tree() if name == "upstream" else None)
+    tokens = preset["prompts"] * preset["prompt_len"]
+    names = list(servers)
+    seconds = {name: [] for name in names}
+
+    def result(rss=None) -> dict:
+        rounds = min(len(values) for values in seconds.values())
+        per_round = {name: values[:rounds] for name, values in seconds.items()}
+        off = per_round["patched, dump off"]
+        ratios = {"patched off / upstream": [u / o for u, o in zip(per_round["upstream"], off)]}
+        for name in names[2:]:
+            ratios[f"{name.replace('patched, ', '')} / dump off"] = [o / d for o, d in zip(off, per_round[name])]
+        return {"prompt_tokens_per_s": {name: summary([tokens / s for s in values]) for name, values in per_round.items()},
+                "throughput_ratio": {name: summary(values) for name, values in ratios.items()},
+                "rounds": rounds, "server_rss_kib": rss,
+                "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens, 1 output token; "
+                            f"dump files removed after each round"}
+
     try:
         for server in servers.values():
             server.wait_ready()
-        tokens = preset["prompts"] * preset["prompt_len"]
-        names = list(servers)
         for name in names:  # one untimed round each: compile caches, allocator warm-up
-            send_all(servers[name], prompts_for(8, preset["prompt_len"], seed=99))
-        seconds = {name: [] for name in names}
+            send_and_land(servers[name], prompts_for(8, preset["prompt_len"], seed=99), dumps[name])
+            clear_files(dumps[name])
         for round_index in range(preset["repeats"]):
+            if round_index and out_of_time():
+                break
             # New prompts every round: a repeated prompt would hit the prefix cache of the
             # servers that do not dump and compare a cache hit with a full prefill.
             prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=1000 + round_index)
             order = names[round_index % len(names):] + names[: round_index % len(names)]
             for name in order:
-                seconds[name].append(send_all(servers[name], prompts))
+                seconds[name].append(send_and_land(servers[name], prompts, dumps[name]))
+                clear_files(dumps[name])
+            checkpoint(result())
         rss = {name: rss_kib(server.process.pid) for name, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
-    throughput = {name: summary([tokens / s for s in values]) for name, values in seconds.items()}
-    ratios = {
-        "patched off / upstream": summary([u / o for u, o in zip(seconds["upstream"], seconds["patched, dump off"])]),
-        "dump on / dump off": summary([o / d for o, d in zip(seconds["patched, dump off"], seconds["patched, dump on"])]),
-    }
-    return {"prompt_tokens_per_s": throughput, "throughput_ratio": ratios, "server_rss_kib": rss,
-            "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens, 1 output token"}
+    return result(rss)
 
 
 def suite_hidden(model, preset, work: Path) -> dict:
@@ -139,15 +210,13 @@ def suite_hidden(model, preset, work: Path) -> dict:
     dump_rates, http_rates = [], []
     try:
         server.wait_ready()
-        send_all(server, prompts_for(4, preset["prompt_len"], seed=98))
-        done = len(wait_for_manifest(dump_dir, 4))
+        send_and_land(server, prompts_for(4, preset["prompt_len"], seed=98), dump_dir)
         for round_index in range(preset["repeats"]):
+            if round_index and out_of_time():
+                break
             prompts = prompts_for(preset["hidden_prompts"], preset["prompt_len"], seed=2000 + round_index)
-            started = time.perf_counter()
-            send_all(server, prompts)
-            done += len(prompts)
-            wait_for_manifest(dump_dir, done, timeout=600)
-            dump_rates.append(tokens / (time.perf_counter() - started))
+            dump_rates.append(tokens / send_and_land(server, prompts, dump_dir))
+            clear_files(dump_dir)
             started = time.perf_counter()
             send_all(server, prompts_for(len(prompts), preset["prompt_len"], seed=3000 + round_index),
                      return_hidden_states=True)
@@ -204,16 +273,14 @@ def suite_write(model, preset, work: Path) -> dict:
     try:
         for server in servers.values():
             server.wait_ready()
-        done = 0
         for round_index in range(preset["repeats"]):
             prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=4000 + round_index)
-            before = sum(p.stat().st_size for p in dump_dir.glob("*.safetensors"))
-            started = time.perf_counter()
-            send_all(servers["dump on"], prompts)
-            done += len(prompts)
-            wait_for_manifest(dump_dir, done, timeout=600)
-            written = sum(p.stat().st_size for p in dump_dir.glob("*.safetensors")) - before
-            dump_rates.append(written / (time.perf_counter() - started))
+            if round_index and out_of_time():
+                break
+            seconds = send_and_land(servers["dump on"], prompts, dump_dir)
+            written = sum(p.stat().st_size for p in dump_dir.glob("*.safetensors"))
+            dump_rates.append(written / seconds)
+            clear_files(dump_dir)
             send_all(servers["dump off"], prompts)
         rss = {name: rss_kib(server.process.pid) for name, server in servers.items()}
     finally:
@@ -232,20 +299,24 @@ def suite_scaling(model, preset, work: Path) -> dict:
     base = start(model, work, "scaling-off", {})
     try:
         base.wait_ready()
-        dumping = start(model, work, "scaling-on", {"SGLANG_HS_DUMP_DIR": str(work / "dump-scaling")})
+        dump_dir = work / "dump-scaling"
+        dumping = start(model, work, "scaling-on", {"SGLANG_HS_DUMP_DIR": str(dump_dir)})
         try:
             dumping.wait_ready()
             for length in preset["lengths"]:
-                results["by_prompt_len"][length] = _time_ratio(base, dumping, preset, length)
+                results["by_prompt_len"][length] = _time_ratio(base, dumping, dump_dir, preset, length)
+                checkpoint(results)
         finally:
             dumping.stop()
         for count in preset["layer_counts"]:
-            env = {"SGLANG_HS_DUMP_DIR": str(work / f"dump-layers{count}"),
+            dump_dir = work / f"dump-layers{count}"
+            env = {"SGLANG_HS_DUMP_DIR": str(dump_dir),
                    "SGLANG_HS_DUMP_LAYERS": ",".join(str(i) for i in range(1, count + 1))}
             dumping = start(model, work, f"layers{count}", env)
             try:
                 dumping.wait_ready()
-                results["by_layer_count"][count] = _time_ratio(base, dumping, preset, preset["prompt_len"])
+                results["by_layer_count"][count] = _time_ratio(base, dumping, dump_dir, preset, preset["prompt_len"])
+                checkpoint(results)
             finally:
                 dumping.stop()
     finally:
@@ -253,16 +324,19 @@ def suite_scaling(model, preset, work: Path) -> dict:
     return results
 
 
-def _time_ratio(base: Server, dumping: Server, preset, length: int) -> dict:
+def _time_ratio(base: Server, dumping: Server, dump_dir: Path, preset, length: int) -> dict:
     count = max(4, preset["prompts"] * preset["prompt_len"] // length // 4)
     warm_up = prompts_for(2, length, seed=length)
     send_all(base, warm_up)
-    send_all(dumping, warm_up)
+    send_and_land(dumping, warm_up, dump_dir)
     on, off = [], []
     for round_index in range(preset["repeats"]):
+        if round_index and out_of_time():
+            break
         prompts = prompts_for(count, length, seed=length * 100 + round_index)
         off.append(send_all(base, prompts))
-        on.append(send_all(dumping, prompts))
+        on.append(send_and_land(dumping, prompts, dump_dir))
+        clear_files(dump_dir)
     return {"prompts": count, "tokens": count * length, "ratio_on_over_off_time": summary([a / b for a, b in zip(on, off)])}
 
 
@@ -276,7 +350,11 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if has_gpu() else "cpu")
     parser.add_argument("--work-dir", type=Path, default=None, help="dump dirs and server logs (default: a temp dir)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no new round this many seconds after the start (each comparison keeps one)")
     args = parser.parse_args(argv)
+    if args.deadline_s is not None:
+        DEADLINE[0] = time.monotonic() + args.deadline_s
     preset = PRESETS[args.preset]
     PRESET.update(preset)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-dump-"))
@@ -285,8 +363,10 @@ def main(argv=None) -> int:
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results["machine"] = {"host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                           "gpu": _gpu_name(), "preset": args.preset, "model": model.name}
+    CHECKPOINT.update(out=args.out, results=results)
     for name in args.suite:
         started = time.perf_counter()
+        CHECKPOINT["suite"] = name
         results[name] = SUITES[name](model, preset, work)
         results[name]["suite_seconds"] = round(time.perf_counter() - started, 1)
         args.out.write_text(json.dumps(results, indent=1))

@@ -1,0 +1,115 @@
+"""The dump writer alone: bytes/s it lands on a filesystem with 1, 2, 4, 8 writer threads,
+against `dd conv=fsync` to the same directory, alternating the contenders each round.
+
+    python -m scripts.bench_writer --dir DIR [--hidden-size 7168] [--tokens 512] [--files 64] --out FILE.json
+
+Each job is one request of `--tokens` prompt tokens with EAGLE-3's three layers and the
+final state in bf16 (hidden size 7168: 57 KB per token, 29 MB per 512-token file), handed
+to the patched SGLang's writer exactly as the scheduler hands it: the clock runs from the
+first submit to the last manifest line, so it includes serialization, fsync and rename.
+No model and no server: this isolates the disk path from prefill. Needs a patched SGLang
+on PYTHONPATH.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+NUM_LAYERS = 3
+THREAD_COUNTS = (1, 2, 4, 8)
+
+
+def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int) -> float:
+    # The writer is private to the dump module; the benchmark drives it the way
+    # HiddenStatesDumper does once a request's prompt is complete.
+    from sglang.srt.managers import hidden_states_dump as dump
+
+    directory.mkdir()
+    rows = dump._HostRows(
+        token_ids=torch.arange(tokens, dtype=torch.int64),
+        hidden_states=torch.randn(tokens, NUM_LAYERS, hidden_size).to(torch.bfloat16),
+        last_hidden_state=torch.randn(tokens, hidden_size).to(torch.bfloat16),
+        ready=None,
+    )
+    metadata = {"format": dump.FORMAT_VERSION, "layer_ids": json.dumps([3, 31, 59]), "num_layers": "61",
+                "model_path": "bench", "sglang_version": "bench", "series_version": dump.SERIES_VERSION}
+    writer = dump._Writer(str(directory), queue_size=files, on_full="block", metadata=metadata, threads=threads)
+    started = time.perf_counter()
+    for i in range(files):
+        writer.submit(dump._Job(dump.DumpRequest(f"bench-{i}", tokens), [dump._Chunk(rows, 0, tokens)]))
+    manifest = directory / dump.MANIFEST_NAME
+    while not manifest.exists() or manifest.read_bytes().count(b"\n") < files:
+        time.sleep(0.002)
+    seconds = time.perf_counter() - started
+    written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    counters = writer.stats.line()
+    if "errors=0" not in counters:
+        raise SystemExit(f"the writer failed: {counters}")
+    shutil.rmtree(directory)
+    return written / seconds
+
+
+def dd_rate(directory: Path, megabytes: int) -> float:
+    target = directory / "dd.bin"
+    started = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={megabytes}", "conv=fsync"],
+                   check=True, capture_output=True)
+    seconds = time.perf_counter() - started
+    target.unlink()
+    return megabytes * 2**20 / seconds
+
+
+def summary(values):
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "raw": values}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, required=True, help="a directory on the filesystem to measure")
+    parser.add_argument("--hidden-size", type=int, default=7168)
+    parser.add_argument("--tokens", type=int, default=512, help="prompt tokens per file")
+    parser.add_argument("--files", type=int, default=64, help="files per round and contender")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    file_bytes = args.tokens * (NUM_LAYERS + 1) * args.hidden_size * 2
+    megabytes = max(1, file_bytes * args.files // 2**20)
+    rates = {"dd conv=fsync": []}
+    rates.update({f"writer, {n} threads": [] for n in THREAD_COUNTS})
+    for round_index in range(args.repeats):
+        names = list(rates)
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            if name.startswith("dd"):
+                rates[name].append(dd_rate(args.dir, megabytes))
+            else:
+                threads = int(name.split()[1])
+                rates[name].append(writer_rate(args.dir / f"round{round_index}-{threads}", threads,
+                                               args.hidden_size, args.tokens, args.files))
+    filesystem = subprocess.run(["df", "-T", str(args.dir)], capture_output=True, text=True).stdout.splitlines()[-1]
+    results = {
+        "bytes_per_s": {name: summary(values) for name, values in rates.items()},
+        "ratio to dd": {name: summary([r / d for r, d in zip(values, rates["dd conv=fsync"])])
+                        for name, values in rates.items() if not name.startswith("dd")},
+        "workload": f"{args.files} files x {args.tokens} tokens x ({NUM_LAYERS}+1) x {args.hidden_size} bf16 "
+                    f"({file_bytes / 2**20:.1f} MiB each) per round and contender; dd writes the same bytes",
+        "filesystem": filesystem,
+        "cpus": os.cpu_count(),
+    }
+    args.out.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
