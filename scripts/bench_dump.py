@@ -39,10 +39,14 @@ from scripts.tiny_model import ensure_model
 # others would match the first tokens random prompts share, and on DeepSeek a batch with any
 # prefix takes another attention path (on the CPU the absorbed-MLA one, several times slower).
 NO_PREFIX_CACHE = ("--disable-radix-cache",)
+# An idle SGLang scheduler polls in a busy loop; with several servers on one machine that
+# loop takes the cores the working server needs (on 2 cores a round took 6.5x as long
+# with a second, idle server running). Sleeping when idle keeps the contenders apart.
+SERVER_ARGS = NO_PREFIX_CACHE + ("--sleep-on-idle",)
 
 PRESETS = {
     # 2 CPU cores: small enough to finish in minutes.
-    "cpu": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=3, server_args=NO_PREFIX_CACHE,
+    "cpu": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=3, server_args=SERVER_ARGS,
                 lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
     # Up to three servers share the GPU.
@@ -50,7 +54,7 @@ PRESETS = {
     # prefill CUDA graphs' token limit, so graphs would only serve warmup; off, servers
     # start in a third of the time.
     "gpu": dict(model=dict(layers=4, widths="deepseek", hidden_size=7168), prompts=256, prompt_len=512,
-                repeats=5, server_args=NO_PREFIX_CACHE + ("--mem-fraction-static", "0.2", "--max-total-tokens", "262144",
+                repeats=5, server_args=SERVER_ARGS + ("--mem-fraction-static", "0.2", "--max-total-tokens", "262144",
                                                           "--disable-cuda-graph"),
                 lengths=(128, 512, 2048, 8192), layer_counts=(1, 4), hidden_prompts=64, tmpfs_dir="/dev/shm"),
 }
@@ -98,6 +102,13 @@ def clear_files(dump_dir: Optional[Path]) -> None:
 
 DEADLINE = [float("inf")]  # time.monotonic() after which no new round starts
 CHECKPOINT: dict = {}  # where main saves a suite's results as they grow
+
+
+STARTED = time.monotonic()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.monotonic() - STARTED:7.1f}s] {message}", flush=True)
 
 
 def out_of_time() -> bool:
@@ -181,6 +192,7 @@ def suite_prefill(model, preset, work: Path) -> dict:
     try:
         for server in servers.values():
             server.wait_ready()
+        progress(f"prefill: {len(servers)} servers ready")
         for name in names:  # one untimed round each: compile caches, allocator warm-up
             send_and_land(servers[name], prompts_for(8, preset["prompt_len"], seed=99), dumps[name])
             clear_files(dumps[name])
@@ -195,6 +207,7 @@ def suite_prefill(model, preset, work: Path) -> dict:
                 seconds[name].append(send_and_land(servers[name], prompts, dumps[name]))
                 clear_files(dumps[name])
             checkpoint(result())
+            progress(f"prefill: round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.2f}s" for n, s in seconds.items()))
         rss = {name: rss_kib(server.process.pid) for name, server in servers.items()}
     finally:
         for server in servers.values():
@@ -360,6 +373,7 @@ def main(argv=None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-dump-"))
     work.mkdir(parents=True, exist_ok=True)
     model = ensure_model(**preset["model"])
+    progress(f"model ready: {model}")
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results["machine"] = {"host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                           "gpu": _gpu_name(), "preset": args.preset, "model": model.name}

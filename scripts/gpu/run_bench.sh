@@ -3,7 +3,10 @@
 # the benchmark suites named as arguments, upstream and patched trees side by side.
 # `writer` runs scripts/bench_writer.py (the dump writer alone, on the disk and on
 # /dev/shm); any other name is a scripts/bench_dump.py suite. BENCH_DEADLINE_S, when set,
-# is bench_dump's --deadline-s. Results land in $OUT/bench-*.json.
+# is bench_dump's --deadline-s; BENCH_TIMEOUT_S, when set, stops bench_dump after that
+# many seconds, so its log and the servers' logs still reach $OUT before the call's own
+# limit. Results land in $OUT/bench-*.json, bench_dump's output in $OUT/bench-gpu.log as
+# it runs.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 rm -rf /tmp/site /tmp/site-upstream /tmp/bench-writer /dev/shm/bench-writer && mkdir -p "$OUT" /tmp/site /tmp/site-upstream
@@ -31,9 +34,9 @@ done
 if [ ${#suites[@]} -gt 0 ]; then
     deadline=()
     [ -n "${BENCH_DEADLINE_S:-}" ] && deadline=(--deadline-s "$BENCH_DEADLINE_S")
-    python3 -m scripts.bench_dump "${suites[@]}" "${deadline[@]}" --preset gpu --work-dir /tmp/bench \
-        --out "$OUT/bench-gpu.json" 2>&1 | tail -c 20000
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    timeout "${BENCH_TIMEOUT_S:-0}" python3 -m scripts.bench_dump "${suites[@]}" "${deadline[@]}" \
+        --preset gpu --work-dir /tmp/bench --out "$OUT/bench-gpu.json" > "$OUT/bench-gpu.log" 2>&1 || status=1
+    tail -c 8000 "$OUT/bench-gpu.log"
     tail -n 30 /tmp/bench/*.log > "$OUT/server-logs-tail.txt" 2>/dev/null
 fi
 exit "$status"
