@@ -22,7 +22,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches test test-tools test-warmup test-unit test-server test-release demo bench clean
+.PHONY: help tools runtime apply verify revert refresh-patches test test-tools test-warmup test-unit test-server test-release demo bench bench-writer clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -86,6 +86,11 @@ BENCH_SUITES ?= prefill hidden write scaling
 bench: apply runtime ## benchmarks (scripts/bench_dump.py) into results/bench-<host kind>-<version>.json; see BENCHMARKS.md
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench_dump $(foreach suite,$(BENCH_SUITES),--suite $(suite)) \
 		--out results/bench-$(if $(shell command -v nvidia-smi),gpu,cpu)-$(VERSION).json
+
+BENCH_DIR ?= .cache/bench-writer
+bench-writer: apply runtime ## the dump writer alone vs dd on BENCH_DIR's filesystem (scripts/bench_writer.py) into results/bench-writer-<host kind>.json
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench_writer --dir $(BENCH_DIR) \
+		--out results/bench-writer-$(if $(shell command -v nvidia-smi),gpu,cpu).json
 
 clean: ## remove checkouts, venvs and caches
 	rm -rf .sglang .venv .cache
