@@ -406,8 +406,9 @@ def test_a_batch_dumps_each_requested_prompt(dump_dir):
     for rid, tokens in (("a", a), ("c", c), ("e", e)):
         assert_dumped(dump_dir, by_rid[rid], tokens, layer_ids)
     assert_dir_holds_exactly(dump_dir, lines)
-    assert stats(dumper)["files"] == 3
-    assert stats(dumper)["tokens"] == 11
+    # A writer counts its file just after appending its manifest line.
+    counters = wait_for_stats(dumper, lambda c: c["files"] == 3)
+    assert counters["tokens"] == 11
 
 
 def test_a_batch_of_one_request(dump_dir):
@@ -638,20 +639,26 @@ def submit_many(dumper, count) -> List[str]:
 
 
 def test_writer_threads_write_files_side_by_side_and_keep_the_manifest_in_order(dump_dir, monkeypatch):
-    # The first request's fsync waits until three later files are complete: only
-    # parallel writers get there, and their manifest lines still wait for the first.
+    # The first request's fsync waits until three later files are fsynced: only parallel
+    # writers get there. None of them is renamed or listed before the first.
     monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "4")
     fsync = os.fsync
-    first_file_held = []
+    later_files_synced = []
+    seen_while_first_held = []
 
     def fsync_after_three_others(fd):
-        path = os.readlink(f"/proc/self/fd/{fd}")
-        if os.path.basename(path).startswith(hidden_states_dump.TEMP_PREFIX) and path.endswith("-000000001.safetensors"):
-            deadline = time.monotonic() + WAIT_TIMEOUT_S
-            while len([n for n in os.listdir(dump_dir) if FILE_NAME.match(n)]) < 3:
-                assert time.monotonic() < deadline, "no other writer completed a file"
-                time.sleep(0.01)
-            first_file_held.append(read_manifest(str(dump_dir)))
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if name.startswith(hidden_states_dump.TEMP_PREFIX):
+            if name.endswith("-000000001.safetensors"):
+                deadline = time.monotonic() + WAIT_TIMEOUT_S
+                while len(later_files_synced) < 3:
+                    assert time.monotonic() < deadline, "no other writer got a file to disk"
+                    time.sleep(0.01)
+                seen_while_first_held.append(sorted(os.listdir(dump_dir)))
+            else:
+                fsync(fd)
+                later_files_synced.append(name)
+                return
         fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync_after_three_others)
@@ -660,7 +667,9 @@ def test_writer_threads_write_files_side_by_side_and_keep_the_manifest_in_order(
     rids = submit_many(dumper, 12)
     lines = wait_for_manifest(dump_dir, rids)
 
-    assert first_file_held == [[]]  # three files complete, none listed before the first
+    # Four temporary files on disk, no final file and no manifest yet.
+    [seen] = seen_while_first_held
+    assert len(seen) == 4 and all(n.startswith(hidden_states_dump.TEMP_PREFIX) for n in seen)
     assert [line["rid"] for line in lines] == rids
     for i, line in enumerate(lines):
         assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [0, 1, 2, 3, 4])
