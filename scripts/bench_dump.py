@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from scripts.server import Server, has_gpu, runtime_env
+from scripts.server import Server, has_gpu, manifest_lines, runtime_env
 from scripts.tiny_model import ensure_model
 
 # Every contender prefills whole prompts. A dumped prompt never matches a cached prefix; the
@@ -49,7 +49,6 @@ PRESETS = {
     "cpu": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=3, server_args=SERVER_ARGS,
                 lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
-    # Up to three servers share the GPU.
     # Up to four servers share the GPU. Prefill batches of 256 x 512 tokens exceed the
     # prefill CUDA graphs' token limit, so graphs would only serve warmup; off, servers
     # start in a third of the time.
@@ -73,11 +72,6 @@ def send_all(server: Server, prompts, **extra) -> float:
     with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
         list(pool.map(lambda p: server.generate(p, max_new_tokens=1, **extra), prompts))
     return time.perf_counter() - started
-
-
-def manifest_lines(dump_dir: Path) -> int:
-    path = dump_dir / "manifest.jsonl"
-    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 def send_and_land(server: Server, prompts, dump_dir: Optional[Path] = None, timeout: float = 600) -> float:
@@ -119,6 +113,22 @@ def checkpoint(partial: dict) -> None:
     if CHECKPOINT:
         CHECKPOINT["results"][CHECKPOINT["suite"]] = dict(partial, partial=True)
         CHECKPOINT["out"].write_text(json.dumps(CHECKPOINT["results"], indent=1))
+
+
+def dd_rate(directory: Path, megabytes: int) -> float:
+    """Bytes/s of `dd bs=1M conv=fsync` writing `megabytes` into `directory`."""
+    target = directory / "dd.bin"
+    started = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={megabytes}", "conv=fsync"],
+                   check=True, capture_output=True)
+    seconds = time.perf_counter() - started
+    target.unlink()
+    return megabytes * 2**20 / seconds
+
+
+def filesystem(path: Path) -> str:
+    """`df -T`'s line for the filesystem holding `path`."""
+    return subprocess.run(["df", "-T", str(path)], capture_output=True, text=True).stdout.splitlines()[-1]
 
 
 def summary(values: List[float]) -> Dict[str, float]:
@@ -272,14 +282,7 @@ def suite_write(model, preset, work: Path) -> dict:
     dump_dir = work / "dump-write"
     dump_dir.mkdir()
     size_mb = 512 if has_gpu() else 128
-    dd_rates = []
-    for _ in range(preset["repeats"]):
-        target = dump_dir / "dd.bin"
-        started = time.perf_counter()
-        subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={size_mb}", "conv=fsync"],
-                       check=True, capture_output=True)
-        dd_rates.append(size_mb * 2**20 / (time.perf_counter() - started))
-        target.unlink()
+    dd_rates = [dd_rate(dump_dir, size_mb) for _ in range(preset["repeats"])]
     servers = {"dump on": start(model, work, "write-on", {"SGLANG_HS_DUMP_DIR": str(dump_dir)}),
                "dump off": start(model, work, "write-off", {})}
     dump_rates, rss = [], {}
@@ -287,9 +290,9 @@ def suite_write(model, preset, work: Path) -> dict:
         for server in servers.values():
             server.wait_ready()
         for round_index in range(preset["repeats"]):
-            prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=4000 + round_index)
             if round_index and out_of_time():
                 break
+            prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=4000 + round_index)
             seconds = send_and_land(servers["dump on"], prompts, dump_dir)
             written = sum(p.stat().st_size for p in dump_dir.glob("*.safetensors"))
             dump_rates.append(written / seconds)
@@ -299,10 +302,9 @@ def suite_write(model, preset, work: Path) -> dict:
     finally:
         for server in servers.values():
             server.stop()
-    filesystem = subprocess.run(["df", "-T", str(dump_dir)], capture_output=True, text=True).stdout.splitlines()[-1]
     return {"bytes_per_s": {"dump": summary(dump_rates), "dd conv=fsync": summary(dd_rates)},
             "ratio": {"dump / dd": summary([d / r for d, r in zip(dump_rates, dd_rates)])},
-            "server_rss_kib_after": rss, "filesystem": filesystem,
+            "server_rss_kib_after": rss, "filesystem": filesystem(dump_dir),
             "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens per round, default layers"}
 
 

@@ -15,13 +15,14 @@ import argparse
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from scripts.bench_dump import dd_rate, filesystem, summary
+from scripts.server import manifest_lines
 
 NUM_LAYERS = 3
 THREAD_COUNTS = (1, 2, 4, 8)
@@ -45,8 +46,7 @@ def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, fi
     started = time.perf_counter()
     for i in range(files):
         writer.submit(dump._Job(dump.DumpRequest(f"bench-{i}", tokens), [dump._Chunk(rows, 0, tokens)]))
-    manifest = directory / dump.MANIFEST_NAME
-    while not manifest.exists() or manifest.read_bytes().count(b"\n") < files:
+    while manifest_lines(directory) < files:
         time.sleep(0.002)
     seconds = time.perf_counter() - started
     written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
@@ -55,20 +55,6 @@ def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, fi
         raise SystemExit(f"the writer failed: {counters}")
     shutil.rmtree(directory)
     return written / seconds
-
-
-def dd_rate(directory: Path, megabytes: int) -> float:
-    target = directory / "dd.bin"
-    started = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={megabytes}", "conv=fsync"],
-                   check=True, capture_output=True)
-    seconds = time.perf_counter() - started
-    target.unlink()
-    return megabytes * 2**20 / seconds
-
-
-def summary(values):
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "raw": values}
 
 
 def main(argv=None) -> int:
@@ -96,14 +82,13 @@ def main(argv=None) -> int:
                 threads = int(name.split()[1])
                 rates[name].append(writer_rate(args.dir / f"round{round_index}-{threads}", threads,
                                                args.hidden_size, args.tokens, args.files))
-    filesystem = subprocess.run(["df", "-T", str(args.dir)], capture_output=True, text=True).stdout.splitlines()[-1]
     results = {
         "bytes_per_s": {name: summary(values) for name, values in rates.items()},
         "ratio to dd": {name: summary([r / d for r, d in zip(values, rates["dd conv=fsync"])])
                         for name, values in rates.items() if not name.startswith("dd")},
         "workload": f"{args.files} files x {args.tokens} tokens x ({NUM_LAYERS}+1) x {args.hidden_size} bf16 "
                     f"({file_bytes / 2**20:.1f} MiB each) per round and contender; dd writes the same bytes",
-        "filesystem": filesystem,
+        "filesystem": filesystem(args.dir),
         "cpus": os.cpu_count(),
     }
     args.out.write_text(json.dumps(results, indent=1))

@@ -165,6 +165,14 @@ class Server:
             pass
 
 
+def manifest_lines(dump_dir: Path) -> int:
+    """How many lines the dump's manifest has, without parsing them (cheap to poll)."""
+    from sglang.srt.managers.hidden_states_dump import MANIFEST_NAME
+
+    path = Path(dump_dir) / MANIFEST_NAME
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
 def wait_for_manifest(dump_dir: Path, count: int, timeout: float = 60) -> List[dict]:
     """The manifest once it has `count` lines (the writer runs behind the forward)."""
     from sglang.srt.managers.hidden_states_dump import read_manifest

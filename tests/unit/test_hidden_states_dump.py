@@ -648,18 +648,17 @@ def test_writer_threads_write_files_side_by_side_and_keep_the_manifest_in_order(
 
     def fsync_after_three_others(fd):
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
-        if name.startswith(hidden_states_dump.TEMP_PREFIX):
-            if name.endswith("-000000001.safetensors"):
-                deadline = time.monotonic() + WAIT_TIMEOUT_S
-                while len(later_files_synced) < 3:
-                    assert time.monotonic() < deadline, "no other writer got a file to disk"
-                    time.sleep(0.01)
-                seen_while_first_held.append(sorted(os.listdir(dump_dir)))
-            else:
-                fsync(fd)
-                later_files_synced.append(name)
-                return
+        dump_file = name.startswith(hidden_states_dump.TEMP_PREFIX)
+        first = dump_file and name.endswith("-000000001.safetensors")
+        if first:
+            deadline = time.monotonic() + WAIT_TIMEOUT_S
+            while len(later_files_synced) < 3:
+                assert time.monotonic() < deadline, "no other writer got a file to disk"
+                time.sleep(0.01)
+            seen_while_first_held.append(sorted(os.listdir(dump_dir)))
         fsync(fd)
+        if dump_file and not first:
+            later_files_synced.append(name)
 
     monkeypatch.setattr(os, "fsync", fsync_after_three_others)
     dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
