@@ -8,10 +8,10 @@ SGLANG_DIR ?=
 ALLOW_UNLOCKED ?=
 PYTEST_ARGS ?=
 
-VERSION := $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.lock default))
+VERSION := $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.toolchain.lock default))
 TOOLS_VENV := .venv/tools
 TOOLS_PY := $(TOOLS_VENV)/bin/python
-RUNTIME_PYTHON_VERSION := $(shell $(PYTHON) -m scripts.lock python $(VERSION))
+RUNTIME_PYTHON_VERSION := $(shell $(PYTHON) -m scripts.toolchain.lock python $(VERSION))
 RUNTIME_VENV := .venv/sglang-$(VERSION)
 RUNTIME_PY := $(RUNTIME_VENV)/bin/python
 CHECKOUT := $(or $(SGLANG_DIR),.sglang/$(VERSION))
@@ -35,19 +35,19 @@ $(TOOLS_VENV)/.installed: requirements/tools.txt
 tools: $(TOOLS_VENV)/.installed ## the small environment apply/verify/revert/refresh need
 
 apply: tools ## build the pinned checkout (or patch SGLANG_DIR) and apply the series; a no-op when applied
-	$(TOOLS_PY) -m scripts apply $(SCRIPT_ARGS)
+	$(TOOLS_PY) -m scripts.toolchain apply $(SCRIPT_ARGS)
 
 verify: tools ## report every hunk as applies/applied/drift; never writes (exit 0 ok, 1 drift or half-applied, 2 usage)
-	$(TOOLS_PY) -m scripts verify $(SCRIPT_ARGS)
+	$(TOOLS_PY) -m scripts.toolchain verify $(SCRIPT_ARGS)
 
 revert: tools ## restore the upstream bytes of every patched file
-	$(TOOLS_PY) -m scripts revert $(SCRIPT_ARGS)
+	$(TOOLS_PY) -m scripts.toolchain revert $(SCRIPT_ARGS)
 
 refresh-patches: tools ## regenerate patches/v<version>/ from the pinned checkout's commits
-	$(TOOLS_PY) -m scripts refresh-patches $(SCRIPT_ARGS)
+	$(TOOLS_PY) -m scripts.toolchain refresh-patches $(SCRIPT_ARGS)
 
 $(RUNTIME_VENV)/.installed: requirements/runtime.txt
-	$$(scripts/find-python $(RUNTIME_PYTHON_VERSION)) -m venv $(RUNTIME_VENV)
+	$$(scripts/toolchain/find-python $(RUNTIME_PYTHON_VERSION)) -m venv $(RUNTIME_VENV)
 	$(RUNTIME_PY) -m pip install --quiet "sglang==$(VERSION)" -r requirements/runtime.txt
 	touch $@
 
@@ -75,21 +75,21 @@ test-release: test-unit test-server ## unit and server tests for VERSION
 
 # Without SGLANG_VERSION: every release in sglang.lock.
 test: test-tools ## everything CI runs
-	set -e; for version in $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.lock versions)); do \
+	set -e; for version in $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.toolchain.lock versions)); do \
 		$(MAKE) --no-print-directory test-release SGLANG_VERSION=$$version $(if $(SGLANG_DIR),SGLANG_DIR=$(SGLANG_DIR)); \
 	done
 
 demo: apply runtime ## the main job on the embedded tiny model: dump a few prompts and summarise the files
-	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.demo
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.dumps.demo
 
 BENCH_SUITES ?= prefill hidden write scaling
-bench: apply runtime ## benchmarks (scripts/bench_dump.py) into results/bench-<host kind>-<version>.json; see BENCHMARKS.md
-	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench_dump $(foreach suite,$(BENCH_SUITES),--suite $(suite)) \
+bench: apply runtime ## benchmarks (scripts/bench/dump.py) into results/bench-<host kind>-<version>.json; see BENCHMARKS.md
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.dump $(foreach suite,$(BENCH_SUITES),--suite $(suite)) \
 		--out results/bench-$(if $(shell command -v nvidia-smi),gpu,cpu)-$(VERSION).json
 
 BENCH_DIR ?= .cache/bench-writer
-bench-writer: apply runtime ## the dump writer alone vs dd on BENCH_DIR's filesystem (scripts/bench_writer.py) into results/bench-writer-<host kind>.json
-	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench_writer --dir $(BENCH_DIR) \
+bench-writer: apply runtime ## the dump writer alone vs dd on BENCH_DIR's filesystem (scripts/bench/writer.py) into results/bench-writer-<host kind>.json
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.writer --dir $(BENCH_DIR) \
 		--out results/bench-writer-$(if $(shell command -v nvidia-smi),gpu,cpu).json
 
 clean: ## remove checkouts, venvs and caches

@@ -1,1 +1,3 @@
-"""Tools that pin an upstream SGLang release and apply this project's patch series to it."""
+"""This project's tools, in three wings: toolchain/ pins SGLang releases and applies the patch
+series, dumps/ runs a dumping server and reads, checks and exports what it writes, bench/
+measures what dumping costs."""

@@ -1,5 +1,6 @@
 import sys
 
-from scripts.cli import main
+from scripts.toolchain.cli import main
 
+# `python -m scripts` is the toolchain's command line, as documented before scripts/ had wings.
 sys.exit(main())

@@ -1,7 +1,7 @@
 """On a GPU: the patched server with CUDA graphs on (the default) and off dumps the values
 transformers computes on the same weights (relative error at most 1e-2 per layer).
 
-Run by scripts/gpu/run_checks.sh on the GPU machine; skipped where there is no GPU.
+Run by scripts/bench/gpu/run_checks.sh on the GPU machine; skipped where there is no GPU.
 GPU models keep DeepSeek-V3's attention widths: SGLang's Triton MLA kernels need them.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.server import Server, has_gpu, runtime_env, wait_for_manifest
-from scripts.tiny_model import ensure_model
+from scripts.dumps.server import Server, has_gpu, runtime_env, wait_for_manifest
+from scripts.dumps.tiny_model import ensure_model
 
 pytestmark = pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 

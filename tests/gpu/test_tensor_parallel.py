@@ -1,7 +1,7 @@
 """Tensor parallelism (at least 2 GPUs): the dump under TP equals TP1, one file per request,
 and a rank that fails during warmup stops the server instead of hanging it.
 
-Run by `bash scripts/gpu/run_checks.sh tests/gpu/test_tensor_parallel.py` on a machine with
+Run by `bash scripts/bench/gpu/run_checks.sh tests/gpu/test_tensor_parallel.py` on a machine with
 2 or more GPUs; skipped elsewhere.
 """
 
@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from scripts.server import Server, has_gpu, runtime_env, wait_for_manifest
-from scripts.tiny_model import ensure_model
+from scripts.dumps.server import Server, has_gpu, runtime_env, wait_for_manifest
+from scripts.dumps.tiny_model import ensure_model
 
 pytestmark = pytest.mark.skipif(not has_gpu() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 

@@ -1,6 +1,6 @@
 import pytest
 
-from scripts.tiny_model import ensure_model
+from scripts.dumps.tiny_model import ensure_model
 
 
 @pytest.fixture(scope="session")

@@ -10,10 +10,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from sglang.srt.managers.hidden_states_dump import DumpRecord
-from scripts.server import Server, has_gpu, runtime_env
+from scripts.dumps.server import Server, has_gpu, runtime_env
 from tests.server import oracle_hooks
 
-VOCAB_SIZE = 1024  # scripts.tiny_model
+VOCAB_SIZE = 1024  # scripts.dumps.tiny_model
 # Every generated token is this one (a logit bias), and no prompt holds it: a decode row is
 # never mistaken for a prompt row by the oracle.
 OUTPUT_TOKEN = 3

@@ -8,7 +8,7 @@ from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
 from tests.server.dump_checks import (
     OUTPUT_TOKEN, assert_matches_oracle, generate_body, oracle_server, post_all, random_prompts)
-from scripts.server import wait_for_manifest
+from scripts.dumps.server import wait_for_manifest
 
 NUM_REQUESTS = 96
 NUM_LAYERS = 3

@@ -16,7 +16,7 @@ from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
 from tests.server import oracle_hooks
 from tests.server.dump_checks import (
     assert_matches_oracle, dump_stats, generate_body, oracle_server, post_all, random_prompts, wait_until)
-from scripts.server import wait_for_manifest
+from scripts.dumps.server import wait_for_manifest
 
 CHUNK = 64
 NUM_LAYERS = 3

@@ -12,9 +12,9 @@ import torch
 
 from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
 from tests.server.dump_checks import generate_body, random_prompts
-from scripts import export_specforge
-from scripts.lock import REPO_ROOT
-from scripts.server import Server, runtime_env, wait_for_manifest
+from scripts.dumps import export_specforge
+from scripts.paths import REPO_ROOT
+from scripts.dumps.server import Server, runtime_env, wait_for_manifest
 
 SPECFORGE = "specforge==0.2.0"
 LENGTHS = [1, 17, 64, 130, 257]

@@ -17,8 +17,8 @@ import pytest
 
 from sglang.srt.managers.hidden_states_dump import MANIFEST_NAME, TEMP_PREFIX, read_manifest
 from tests.server.dump_checks import dump_stats, generate_body, random_prompts, wait_until
-from scripts.inspect_dump import summarise
-from scripts.server import Server, runtime_env, wait_for_manifest
+from scripts.dumps.inspect_dump import summarise
+from scripts.dumps.server import Server, runtime_env, wait_for_manifest
 
 PAGE = 4096
 

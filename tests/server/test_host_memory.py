@@ -5,8 +5,8 @@ import random
 import time
 
 from tests.server.dump_checks import generate_body, post_all, random_prompts
-from scripts.inspect_dump import summarise
-from scripts.server import Server, runtime_env, wait_for_manifest
+from scripts.dumps.inspect_dump import summarise
+from scripts.dumps.server import Server, runtime_env, wait_for_manifest
 
 NUM_REQUESTS = 1000
 WARM_UP = 200  # requests before the baseline: allocator pools, caches and the queue fill up

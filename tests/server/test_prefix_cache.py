@@ -11,7 +11,7 @@ from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
 from tests.server import oracle_hooks
 from tests.server.dump_checks import (
     FIRST_PROMPT_TOKEN, VOCAB_SIZE, assert_matches_oracle, generate_body, oracle_server, post_all)
-from scripts.server import wait_for_manifest
+from scripts.dumps.server import wait_for_manifest
 
 NUM_LAYERS = 3
 

@@ -7,7 +7,7 @@ import random
 from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
 from tests.server.dump_checks import assert_matches_oracle, generate_body, oracle_server, post_all, random_prompts
-from scripts.server import wait_for_manifest
+from scripts.dumps.server import wait_for_manifest
 
 NUM_REQUESTS = 24
 NUM_LAYERS = 3

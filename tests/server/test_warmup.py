@@ -18,7 +18,8 @@ import torch
 from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
 from tests.server.dump_checks import oracle_server
-from scripts.server import REPO_ROOT, Server, ServerFailed, runtime_env, wait_for_manifest
+from scripts.paths import REPO_ROOT
+from scripts.dumps.server import Server, ServerFailed, runtime_env, wait_for_manifest
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 

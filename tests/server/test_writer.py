@@ -8,7 +8,7 @@ import time
 from sglang.srt.managers.hidden_states_dump import read_manifest
 from tests.server.dump_checks import dump_stats, generate_body, random_prompts, wait_until
 from tests.server.fault_hooks import stall_writer_spec
-from scripts.server import Server, runtime_env, wait_for_manifest
+from scripts.dumps.server import Server, runtime_env, wait_for_manifest
 
 
 def stalled_server(model, tmp_path, on_full):

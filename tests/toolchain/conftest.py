@@ -3,7 +3,7 @@
 - `project`: a folder laid out like this repository (sglang.lock, patches/v0.1.0/), whose lock
   pins the fake upstream in fixtures/upstream/ and an sdist of it kept in `artifact_cache`.
 - `tree`: that upstream as a package root and as a git clone (python/sglang/...), a test each.
-- `pinned`: the pinned checkout project/.sglang/0.1.0/, built by scripts.checkout from the sdist.
+- `pinned`: the pinned checkout project/.sglang/0.1.0/, built by scripts.toolchain.checkout from the sdist.
 """
 
 import os
@@ -14,10 +14,10 @@ from pathlib import Path
 import git
 import pytest
 
-from scripts import checkout
-from scripts.cli import main
-from scripts.lock import Lock, Release, load_lock
-from scripts.tree import Tree, locate
+from scripts.toolchain import checkout
+from scripts.toolchain.cli import main
+from scripts.toolchain.lock import Lock, Release, load_lock
+from scripts.toolchain.tree import Tree, locate
 
 from .helpers import FIXTURE_SERIES, UPSTREAM, VERSION, lock_toml, sha256_of, upstream_hashes
 

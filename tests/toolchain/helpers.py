@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 from typing import Dict, Tuple
 
-from scripts.tree import Tree
+from scripts.toolchain.tree import Tree
 
 FIXTURES = Path(__file__).parent / "fixtures"
 UPSTREAM = FIXTURES / "upstream"  # a package root: sglang/srt/... as a release ships it

@@ -2,8 +2,8 @@
 
 import pytest
 
-from scripts import artifact, checkout
-from scripts.errors import ToolError
+from scripts.toolchain import artifact, checkout
+from scripts.toolchain.errors import ToolError
 
 from .helpers import sha256_of
 

@@ -3,8 +3,8 @@
 import git
 import pytest
 
-from scripts import checkout
-from scripts.errors import ToolError
+from scripts.toolchain import checkout
+from scripts.toolchain.errors import ToolError
 
 from .helpers import UPSTREAM, snapshot
 

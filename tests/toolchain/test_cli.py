@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from scripts.lock import REPO_ROOT
+from scripts.paths import REPO_ROOT
 
 from .helpers import MODEL, PATCH_NAMES, replace_in
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import git
 import pytest
 
-from scripts import apply as ops
-from scripts.errors import ToolError
-from scripts.hunks import APPLIES, DRIFT, MAX_OFFSET
-from scripts.lock import load_lock
-from scripts.series import load_series
+from scripts.toolchain import operations
+from scripts.toolchain.errors import ToolError
+from scripts.toolchain.hunks import APPLIES, DRIFT, MAX_OFFSET
+from scripts.toolchain.lock import load_lock
+from scripts.toolchain.series import load_series
 
 from .helpers import DUMP_MODULE, FIXTURE_SERIES, MODEL, PATCH_NAMES, VERSION, lock_toml, sha256_of, snapshot
 
@@ -42,7 +42,7 @@ def test_each_mutated_hunk_is_drift_at_its_file_and_line(tree, lock, release, cl
     mutate_hunk(release.series_dir / name, index)
     before = snapshot(tree.root)
 
-    inspection = ops.verify(sglang_dir=tree.root, lock=lock)
+    inspection = operations.verify(sglang_dir=tree.root, lock=lock)
     assert inspection.state.kind == "drift"
     drifted = [(r.patch, r.path, r.line) for r in inspection.state.reports if r.status == DRIFT]
     assert drifted == [(name, path, line)]
@@ -53,7 +53,7 @@ def test_each_mutated_hunk_is_drift_at_its_file_and_line(tree, lock, release, cl
     assert "state: drift" in out
 
     with pytest.raises(ToolError, match="drifted") as refused:
-        ops.apply(sglang_dir=tree.root, lock=lock)
+        operations.apply(sglang_dir=tree.root, lock=lock)
     assert refused.value.exit_code == 1
     assert cli("apply", "--dir", tree.root)[0] == 1
     assert snapshot(tree.root) == before
@@ -63,11 +63,11 @@ def test_a_file_the_series_would_create_that_already_exists_is_drift(tree, lock)
     (tree.package_root / DUMP_MODULE).write_text("# someone else's module\n")
     before = snapshot(tree.root)
 
-    state = ops.verify(sglang_dir=tree.root, lock=lock).state
+    state = operations.verify(sglang_dir=tree.root, lock=lock).state
     assert state.kind == "drift"
     assert [(r.path, r.line) for r in state.reports if r.status == DRIFT] == [(DUMP_MODULE, 1)]
     with pytest.raises(ToolError):
-        ops.apply(sglang_dir=tree.root, lock=lock)
+        operations.apply(sglang_dir=tree.root, lock=lock)
     assert snapshot(tree.root) == before
 
 
@@ -75,12 +75,12 @@ def test_hunks_are_found_a_few_lines_away_but_not_beyond_max_offset(package_tree
     model = package_tree.package_root / MODEL
     upstream = model.read_text()
     model.write_text("# one\n# two\n# three\n" + upstream)
-    reports = ops.verify(sglang_dir=package_tree.root, lock=lock).state.reports
+    reports = operations.verify(sglang_dir=package_tree.root, lock=lock).state.reports
     model_reports = [(r.line, r.status, r.offset) for r in reports if r.path == MODEL]
     assert model_reports == [(10, APPLIES, 3), (65, APPLIES, 3), (80, APPLIES, 3)]
 
     model.write_text("#\n" * (MAX_OFFSET + 1) + upstream)
-    state = ops.verify(sglang_dir=package_tree.root, lock=lock).state
+    state = operations.verify(sglang_dir=package_tree.root, lock=lock).state
     assert state.kind == "drift"
     assert [(r.line, r.status) for r in state.reports if r.patch == PATCH_NAMES[1]] == [(7, DRIFT), (62, DRIFT)]
 
@@ -111,9 +111,9 @@ def test_a_file_without_final_newline_applies_and_reverts_exactly(tmp_path, pack
     lock_path.write_text(lock_toml(VERSION, {VERSION: {MODEL: sha256_of(model)}}, "0" * 64))
     lock = load_lock(lock_path)
 
-    assert ops.verify(sglang_dir=package_tree.root, lock=lock).state.kind == "clean"
-    ops.apply(sglang_dir=package_tree.root, lock=lock)
+    assert operations.verify(sglang_dir=package_tree.root, lock=lock).state.kind == "clean"
+    operations.apply(sglang_dir=package_tree.root, lock=lock)
     assert model.read_bytes() == patched
-    assert ops.verify(sglang_dir=package_tree.root, lock=lock).state.kind == "applied"
-    ops.revert(sglang_dir=package_tree.root, lock=lock)
+    assert operations.verify(sglang_dir=package_tree.root, lock=lock).state.kind == "applied"
+    operations.revert(sglang_dir=package_tree.root, lock=lock)
     assert model.read_bytes() == upstream

@@ -2,8 +2,8 @@
 
 import pytest
 
-from scripts.errors import ToolError
-from scripts.lock import load_lock
+from scripts.toolchain.errors import ToolError
+from scripts.toolchain.lock import load_lock
 
 from .helpers import LOGITS_PROCESSOR as LOGITS, MODEL, lock_toml
 

@@ -5,10 +5,10 @@ import datetime
 import git
 import pytest
 
-from scripts import apply as ops
-from scripts.errors import ToolError
-from scripts.refresh import refresh
-from scripts.series import header_fields, split_header
+from scripts.toolchain import operations
+from scripts.toolchain.errors import ToolError
+from scripts.toolchain.refresh import refresh
+from scripts.toolchain.series import header_fields, split_header
 
 from .helpers import FIXTURE_SERIES, LOGITS_PROCESSOR, PATCH_NAMES, UPSTREAM, replace_in, snapshot
 
@@ -16,7 +16,7 @@ from .helpers import FIXTURE_SERIES, LOGITS_PROCESSOR, PATCH_NAMES, UPSTREAM, re
 @pytest.fixture
 def patched(pinned, lock):
     """The pinned checkout with the fixture series applied: upstream plus one commit per patch."""
-    ops.apply(lock=lock)
+    operations.apply(lock=lock)
     return pinned
 
 
@@ -45,9 +45,9 @@ def test_a_changed_commit_gets_a_new_diff_and_last_update_with_its_header_kept(p
     assert diff != old_diff
     assert "+            hidden_state_dump.submit(forward_batch, aux_pruned_states, logits)\n" in diff
 
-    ops.apply(sglang_dir=package_tree.root, lock=lock)
+    operations.apply(sglang_dir=package_tree.root, lock=lock)
     assert snapshot(package_tree.root) == snapshot(patched.root)
-    ops.revert(sglang_dir=package_tree.root, lock=lock)
+    operations.revert(sglang_dir=package_tree.root, lock=lock)
     assert snapshot(package_tree.root) == snapshot(UPSTREAM)
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from scripts import apply as ops
-from scripts.errors import ToolError
-from scripts.series import header_fields, load_series
+from scripts.toolchain import operations
+from scripts.toolchain.errors import ToolError
+from scripts.toolchain.series import header_fields, load_series
 
 from .helpers import FIXTURE_SERIES, PATCH_NAMES, snapshot
 
@@ -48,7 +48,7 @@ def test_a_corrupt_patch_is_a_usage_error_naming_the_patch(corrupt, package_tree
     before = snapshot(package_tree.root)
 
     with pytest.raises(ToolError) as error:
-        ops.verify(sglang_dir=package_tree.root, lock=lock)
+        operations.verify(sglang_dir=package_tree.root, lock=lock)
     assert error.value.exit_code == 2
     assert str(error.value).startswith(f"{patch_path}: ")
 

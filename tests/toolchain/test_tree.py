@@ -4,9 +4,9 @@ import shutil
 
 import pytest
 
-from scripts import apply as ops
-from scripts.errors import ToolError
-from scripts.tree import locate
+from scripts.toolchain import operations
+from scripts.toolchain.errors import ToolError
+from scripts.toolchain.tree import locate
 
 from .helpers import MODEL, UPSTREAM, snapshot
 
@@ -25,7 +25,7 @@ def test_a_git_clone_keeps_the_package_under_python(clone_tree):
 
 def test_both_layouts_report_the_same_hunks(package_tree, clone_tree, lock):
     def where(tree):
-        return [(r.patch, r.path, r.line, r.status) for r in ops.verify(sglang_dir=tree.root, lock=lock).state.reports]
+        return [(r.patch, r.path, r.line, r.status) for r in operations.verify(sglang_dir=tree.root, lock=lock).state.reports]
 
     assert where(package_tree) == where(clone_tree)
 

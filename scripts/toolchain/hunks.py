@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 from unidiff.constants import LINE_TYPE_ADDED, LINE_TYPE_CONTEXT, LINE_TYPE_NO_NEWLINE, LINE_TYPE_REMOVED
 
-from scripts.series import Patch
+from scripts.toolchain.series import Patch
 
 MAX_OFFSET = 20
 

@@ -1,6 +1,6 @@
 """Generate reduced-layer DeepSeek-V3 models locally: random weights, fixed seed, no model hub.
 
-    python -m scripts.tiny_model --layers 3 [--no-q-lora] [--widths cpu|deepseek]
+    python -m scripts.dumps.tiny_model --layers 3 [--no-q-lora] [--widths cpu|deepseek]
 
 prints the model folder (cached under .cache/models/). `cpu` widths are the smallest
 that SGLang's CPU path runs; `deepseek` keeps DeepSeek-V3's real attention widths
@@ -14,9 +14,9 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from scripts.lock import REPO_ROOT
+from scripts.paths import CACHE_DIR
 
-MODEL_CACHE = REPO_ROOT / ".cache" / "models"
+MODEL_CACHE = CACHE_DIR / "models"
 SEED = 20261129
 ROUTER_LOGIT_STD = 3.0
 GENERATOR_VERSION = 2  # part of the cache name: a change here regenerates models

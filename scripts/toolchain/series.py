@@ -7,7 +7,7 @@ from typing import List
 
 from unidiff import PatchSet, UnidiffParseError
 
-from scripts.errors import USAGE, ToolError
+from scripts.toolchain.errors import USAGE, ToolError
 
 DIFF_START = re.compile(r"^(diff --git |--- )", re.MULTILINE)
 HUNK_HEADER = re.compile(r"^@@", re.MULTILINE)  # in a diff, only hunk headers start with "@@"

@@ -1,7 +1,7 @@
 """The dump writer alone: bytes/s it lands on a filesystem with 1, 2, 4, 8 writer threads,
 against `dd conv=fsync` to the same directory, alternating the contenders each round.
 
-    python -m scripts.bench_writer --dir DIR [--hidden-size 7168] [--tokens 512] [--files 64] --out FILE.json
+    python -m scripts.bench.writer --dir DIR [--hidden-size 7168] [--tokens 512] [--files 64] --out FILE.json
 
 Each job is one request of `--tokens` prompt tokens with EAGLE-3's three layers and the
 final state in bf16 (hidden size 7168: 57 KB per token, 29 MB per 512-token file), handed
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench_dump import dd_rate, filesystem, summary
-from scripts.server import manifest_lines
+from scripts.bench.dump import dd_rate, filesystem, summary
+from scripts.dumps.server import manifest_lines
 
 NUM_LAYERS = 3
 THREAD_COUNTS = (1, 2, 4, 8)

@@ -1,6 +1,6 @@
 """Summarise a hidden-states dump directory and validate every file against the manifest.
 
-    python -m scripts.inspect_dump DUMP_DIR
+    python -m scripts.dumps.inspect_dump DUMP_DIR
 
 Prints requests, tokens, bytes, layers and dtype; exits 1 if a manifest line names a file
 that is missing or does not match it, 0 otherwise. Files the manifest does not name (a

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-from scripts.errors import USAGE, ToolError
-from scripts.hunks import Files
+from scripts.toolchain.errors import USAGE, ToolError
+from scripts.toolchain.hunks import Files
 
 MARKER = Path("sglang") / "srt" / "models" / "deepseek_v2.py"
 

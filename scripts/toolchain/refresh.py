@@ -6,10 +6,10 @@ from typing import List
 
 import git
 
-from scripts.checkout import patch_commits
-from scripts.errors import ToolError
-from scripts.series import REQUIRED_HEADER_FIELDS, header_fields, split_header
-from scripts.tree import Tree
+from scripts.toolchain.checkout import patch_commits
+from scripts.toolchain.errors import ToolError
+from scripts.toolchain.series import REQUIRED_HEADER_FIELDS, header_fields, split_header
+from scripts.toolchain.tree import Tree
 
 
 def render(header: str, diff: str) -> str:

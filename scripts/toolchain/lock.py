@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
 
-from scripts.errors import USAGE, ToolError
+from scripts.paths import REPO_ROOT
+from scripts.toolchain.errors import USAGE, ToolError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 LOCK_PATH = REPO_ROOT / "sglang.lock"
 
 
@@ -100,7 +100,7 @@ def load_lock(path: Path = LOCK_PATH) -> Lock:
 
 
 def main(argv=None) -> None:
-    """For the Makefile: `python -m scripts.lock default | versions | python VERSION`."""
+    """For the Makefile: `python -m scripts.toolchain.lock default | versions | python VERSION`."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     elif len(args) == 2 and args[0] == "python":
         print(lock.release(args[1]).python)
     else:
-        raise SystemExit("usage: python -m scripts.lock default | versions | python VERSION")
+        raise SystemExit("usage: python -m scripts.toolchain.lock default | versions | python VERSION")
 
 
 if __name__ == "__main__":

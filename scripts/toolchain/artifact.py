@@ -6,8 +6,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from scripts.errors import ToolError
-from scripts.lock import Release, sha256_file
+from scripts.toolchain.errors import ToolError
+from scripts.toolchain.lock import Release, sha256_file
 
 # The 0.5.14 wheel contains a compiled module for CPython 3.12; pip must be told which
 # wheel to fetch, since this may run under another Python.

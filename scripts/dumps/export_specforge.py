@@ -1,6 +1,6 @@
 """Export a hidden-states dump to SpecForge's offline EAGLE-3 training layout.
 
-    python -m scripts.export_specforge DUMP_DIR OUT_DIR [--loss-masks masks.jsonl]
+    python -m scripts.dumps.export_specforge DUMP_DIR OUT_DIR [--loss-masks masks.jsonl]
 
 One file per manifest entry, in manifest order (idx 0, 1, ...), as SpecForge's
 scripts/prepare_hidden_states.py writes them and its offline readers
@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
-from scripts.errors import USAGE, ToolError
+from scripts.toolchain.errors import USAGE, ToolError
 
 ROWS_PER_FOLDER = 2000
 INDEX_NAME = "export.jsonl"

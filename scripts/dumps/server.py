@@ -15,7 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from scripts.paths import REPO_ROOT
+
 READY_LINE = "The server is fired up and ready to roll!"
 
 

@@ -1,6 +1,6 @@
 """Benchmarks of the hidden-states dump against its alternatives, each comparison in one run.
 
-    python -m scripts.bench_dump --suite prefill|hidden|write|scaling [--preset cpu|gpu] --out FILE.json
+    python -m scripts.bench.dump --suite prefill|hidden|write|scaling [--preset cpu|gpu] --out FILE.json
 
 Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - prefill: prompt tokens/s of unpatched upstream, patched with dumping off, patched with
@@ -32,8 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from scripts.server import Server, has_gpu, manifest_lines, runtime_env
-from scripts.tiny_model import ensure_model
+from scripts.dumps.server import Server, has_gpu, manifest_lines, runtime_env
+from scripts.dumps.tiny_model import ensure_model
 
 # Every contender prefills whole prompts. A dumped prompt never matches a cached prefix; the
 # others would match the first tokens random prompts share, and on DeepSeek a batch with any

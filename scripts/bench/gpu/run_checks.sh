@@ -1,6 +1,6 @@
 #!/bin/bash
 # Runs ON the GPU machine, from the repository root, with .devcarry/site.tar.xz carried
-# (scripts/gpu/build_bundle.sh). Applies the 0.5.14 series to the bundle's site-packages
+# (scripts/bench/gpu/build_bundle.sh). Applies the 0.5.14 series to the bundle's site-packages
 # with this project's own toolchain, then runs the GPU tests. Results land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}

@@ -1,7 +1,7 @@
 """The main job on the embedded tiny model: start the patched server with dumping on, send a
 few prompts, summarise what was dumped, stop the server.
 
-    make demo            (or: python -m scripts.demo [--dump-dir DIR] [--layers 0,2,3])
+    make demo            (or: python -m scripts.dumps.demo [--dump-dir DIR] [--layers 0,2,3])
 """
 
 import argparse
@@ -10,9 +10,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts.inspect_dump import report, summarise
-from scripts.server import Server, runtime_env, wait_for_manifest
-from scripts.tiny_model import ensure_model
+from scripts.dumps.inspect_dump import report, summarise
+from scripts.dumps.server import Server, runtime_env, wait_for_manifest
+from scripts.dumps.tiny_model import ensure_model
 
 PROMPT_LENGTHS = (5, 17, 64, 300)
 

@@ -2,12 +2,12 @@
 # Build what the GPU machine needs to run the patched SGLang 0.5.14: one `pip install --target`
 # tree packed as OUT_DIR/site.tar.xz (about 40 MiB). That machine has python 3.12 and
 # torch 2.11.0 with CUDA, no network, and takes at most 64 MiB of carried files per run.
-# Usage: scripts/gpu/build_bundle.sh OUT_DIR
+# Usage: scripts/bench/gpu/build_bundle.sh OUT_DIR
 set -euo pipefail
 OUT=${1:?usage: build_bundle.sh OUT_DIR}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-PY312=$(scripts/find-python 3.12)
+PY312=$(scripts/toolchain/find-python 3.12)
 PLATFORMS=""
 for tag in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_24 \
            manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1; do
@@ -26,7 +26,7 @@ download "$WORK/kernel" sglang-kernel==0.4.4
 # sglang 0.5.14 was built against, and what this project's tools need (apply, tests).
 while read -r requirement; do
   download "$WORK/wheels" "$requirement"
-done < scripts/gpu/bundle-requirements.txt
+done < scripts/bench/gpu/bundle-requirements.txt
 "$PY312" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WORK"/wheels/*.whl
 # sglang-kernel: only the sm90 ops. FlashAttention-3 (1.7 GB), FlashMLA and sm100 load lazily
 # and are left out, so the GPU runs use --attention-backend triton.

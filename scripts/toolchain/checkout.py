@@ -7,12 +7,13 @@ from typing import List
 
 import git
 
-from scripts import artifact
-from scripts.errors import ToolError
-from scripts.hunks import Files, transform
-from scripts.lock import REPO_ROOT, Release
-from scripts.series import Patch
-from scripts.tree import Tree, locate
+from scripts.paths import REPO_ROOT
+from scripts.toolchain import artifact
+from scripts.toolchain.errors import ToolError
+from scripts.toolchain.hunks import Files, transform
+from scripts.toolchain.lock import Release
+from scripts.toolchain.series import Patch
+from scripts.toolchain.tree import Tree, locate
 
 UPSTREAM_TAG = "upstream"
 ARTIFACT_CACHE = REPO_ROOT / ".sglang" / "artifacts"

@@ -1,4 +1,4 @@
-"""Command line: python -m scripts {verify,apply,revert,refresh-patches} [--version V] [--dir D] [--lock L].
+"""Command line: python -m scripts.toolchain {verify,apply,revert,refresh-patches} [--version V] [--dir D] [--lock L].
 
 Exit codes: 0 clean or done, 1 drift / half-applied / refused, 2 usage error.
 """
@@ -7,13 +7,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from scripts import apply as ops
-from scripts.errors import USAGE, ToolError
-from scripts.hunks import DRIFT
-from scripts.lock import LOCK_PATH, load_lock
+from scripts.toolchain import operations
+from scripts.toolchain.errors import USAGE, ToolError
+from scripts.toolchain.hunks import DRIFT
+from scripts.toolchain.inspection import Inspection, half_applied_advice
+from scripts.toolchain.lock import LOCK_PATH, load_lock
 
 
-def format_inspection(inspection: ops.Inspection) -> str:
+def format_inspection(inspection: Inspection, allow_unlocked: bool = False) -> str:
     state = inspection.state
     tree = inspection.tree
     out = [f"sglang {inspection.release.version} series ({len(inspection.patches)} patches) "
@@ -39,12 +40,21 @@ def format_inspection(inspection: ops.Inspection) -> str:
     }[state.kind]
     out.append(f"state: {summary}")
     if state.kind in ("partial", "drift"):
-        out.append(ops.half_applied_advice(inspection))
+        out.append(half_applied_advice(inspection))
+    elif state.kind == "clean" and not inspection.locked:
+        out.append(("warning: " if allow_unlocked else "unlocked: ") + operations.unlocked_advice(inspection))
     return "\n".join(out)
 
 
+def verified(inspection: Inspection, allow_unlocked: bool) -> bool:
+    """What verify's exit status says: apply would go through (or has), as make apply runs it."""
+    if inspection.state.kind == "applied":
+        return True
+    return inspection.state.kind == "clean" and (inspection.locked or allow_unlocked)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m scripts.toolchain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["verify", "apply", "revert", "refresh-patches"])
     parser.add_argument("--version", default=None, help="an SGLang release in sglang.lock (default: its default)")
@@ -62,15 +72,15 @@ def main(argv=None) -> int:
     try:
         lock = load_lock(args.lock)
         if args.command == "verify":
-            inspection = ops.verify(version, args.dir, lock)
-            print(format_inspection(inspection))
-            return 0 if inspection.state.kind in ("clean", "applied") else 1
+            inspection = operations.verify(version, args.dir, lock)
+            print(format_inspection(inspection, args.allow_unlocked))
+            return 0 if verified(inspection, args.allow_unlocked) else 1
         if args.command == "apply":
-            print(ops.apply(version, args.dir, args.allow_unlocked, lock))
+            print(operations.apply(version, args.dir, args.allow_unlocked, lock))
         elif args.command == "revert":
-            print(ops.revert(version, args.dir, lock))
+            print(operations.revert(version, args.dir, lock))
         else:
-            names = ops.refresh(version, lock)
+            names = operations.refresh_patches(version, lock)
             print(f"wrote {len(names)} patches and the series file")
         return 0
     except ToolError as e:

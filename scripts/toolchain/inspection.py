@@ -1,15 +1,15 @@
-"""The operations: verify, apply, revert and refresh a series on a tree, each as a short recipe."""
+"""Where a tree stands against a series: every hunk applies, is applied, or has drifted. Writes nothing."""
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from scripts import checkout, refresh as refresh_step
-from scripts.errors import USAGE, ToolError
-from scripts.hunks import TreeState, apply_chain, classify, series_paths
-from scripts.lock import Lock, Release, load_lock, sha256_bytes
-from scripts.series import Patch, load_series
-from scripts.tree import Tree, locate
+from scripts.toolchain import checkout
+from scripts.toolchain.errors import USAGE, ToolError
+from scripts.toolchain.hunks import TreeState, classify, series_paths
+from scripts.toolchain.lock import Lock, Release, load_lock, sha256_bytes
+from scripts.toolchain.series import Patch, load_series
+from scripts.toolchain.tree import Tree, locate
 
 
 @dataclass
@@ -19,6 +19,11 @@ class Inspection:
     patches: List[Patch]
     state: TreeState
     matching_release: Optional[Release]  # the locked release the tree's upstream files equal
+
+    @property
+    def locked(self) -> bool:
+        """The tree's upstream files are the ones sglang.lock pins for this release."""
+        return self.matching_release is self.release
 
     @property
     def pinned(self) -> bool:
@@ -32,7 +37,7 @@ def inspect(version: Optional[str] = None, sglang_dir: Optional[Path] = None, lo
     lock = lock or load_lock()
     if sglang_dir is None:
         release = lock.release(version)
-        tree = checkout.ensure(release) if build_checkout else _existing_checkout(release)
+        tree = checkout.ensure(release) if build_checkout else existing_checkout(release)
         return _inspect_with(lock, release, tree)
     tree = locate(sglang_dir)
     if version is not None:
@@ -45,7 +50,7 @@ def inspect(version: Optional[str] = None, sglang_dir: Optional[Path] = None, lo
     return inspections[0]
 
 
-def _existing_checkout(release: Release) -> Tree:
+def existing_checkout(release: Release) -> Tree:
     if not (release.checkout_dir / ".git").exists():
         raise ToolError(f"{release.checkout_dir} does not exist yet: run make apply first.", USAGE)
     return checkout.ensure(release)
@@ -81,54 +86,3 @@ def half_applied_advice(inspection: Inspection) -> str:
     return ("The tree has drifted: some hunks match neither the upstream nor the patched lines "
             "(hand edits, another release, or another patch set). Restore the upstream files "
             "(reinstall the release, or `git checkout` them in a clone), then run `make apply`.")
-
-
-def verify(version=None, sglang_dir=None, lock=None) -> Inspection:
-    return inspect(version, sglang_dir, lock, build_checkout=False)
-
-
-def apply(version=None, sglang_dir=None, allow_unlocked=False, lock=None) -> str:
-    inspection = inspect(version, sglang_dir, lock)
-    state = inspection.state
-    if state.kind == "applied":
-        return f"the series for sglang {inspection.release.version} is already applied; nothing to do"
-    if state.kind != "clean":
-        raise ToolError(half_applied_advice(inspection))
-    if inspection.matching_release is not inspection.release and not allow_unlocked:
-        raise ToolError(
-            f"every hunk applies, but the tree's files differ from those sglang.lock pins for "
-            f"sglang {inspection.release.version}, so the series was never tested on them. "
-            f"Pass ALLOW_UNLOCKED=1 to apply anyway."
-        )
-    files = inspection.tree.read(series_paths(inspection.patches))
-    if inspection.pinned:
-        checkout.commit_series(inspection.tree, files, inspection.patches)
-    else:
-        patched, _ = apply_chain(files, inspection.patches, reverse=False)
-        inspection.tree.write(patched, files)
-    return f"applied {len(inspection.patches)} patches for sglang {inspection.release.version} to {inspection.tree.root}"
-
-
-def revert(version=None, sglang_dir=None, lock=None) -> str:
-    inspection = inspect(version, sglang_dir, lock, build_checkout=False)
-    state = inspection.state
-    if state.kind == "clean":
-        return f"no patch of the series is applied in {inspection.tree.root}; nothing to do"
-    if inspection.pinned:
-        # The checkout is this project's own git repository: its upstream commit restores the
-        # upstream bytes whatever series its commits hold, unless edits are uncommitted.
-        if checkout.has_uncommitted_changes(inspection.tree):
-            raise ToolError(f"{inspection.tree.root} has uncommitted changes: commit or discard them first.")
-        old_head = checkout.reset_to_upstream(inspection.tree)
-        return f"reset {inspection.tree.root} to upstream (it was at {old_head[:12]})"
-    if state.kind == "drift":
-        raise ToolError(half_applied_advice(inspection))
-    current = inspection.tree.read(list(state.upstream))
-    inspection.tree.write(state.upstream, current)
-    return f"reverted {state.applied_count} patches in {inspection.tree.root}"
-
-
-def refresh(version=None, lock=None) -> List[str]:
-    lock = lock or load_lock()
-    release = lock.release(version)
-    return refresh_step.refresh(_existing_checkout(release), release.series_dir)

@@ -1,0 +1,5 @@
+import sys
+
+from scripts.toolchain.cli import main
+
+sys.exit(main())
