@@ -23,16 +23,15 @@ import json
 import os
 import platform
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List
 
-from scripts.dumps.server import Server, has_gpu, manifest_lines, runtime_env
+from scripts.bench.measure import clear_files, dd_rate, filesystem, prompts_for, send_all, send_and_land, summary
+from scripts.bench.run import BenchRun, total_rss_kib
+from scripts.dumps.server import Server, has_gpu
 from scripts.dumps.tiny_model import ensure_model
 
 # Every contender prefills whole prompts. A dumped prompt never matches a cached prefix; the
@@ -59,82 +58,6 @@ PRESETS = {
 }
 
 
-def prompts_for(count: int, length: int, seed: int) -> List[List[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(5, 1000) for _ in range(length)] for _ in range(count)]
-
-
-def send_all(server: Server, prompts, **extra) -> float:
-    """Seconds to prefill every prompt (one output token each), all sent at once."""
-    started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
-        list(pool.map(lambda p: server.generate(p, max_new_tokens=1, **extra), prompts))
-    return time.perf_counter() - started
-
-
-def send_and_land(server: Server, prompts, dump_dir: Optional[Path] = None, timeout: float = 600) -> float:
-    """Seconds to prefill every prompt (all sent at once) and, for a dumping server, until
-    the manifest names a file for each: the writer's backlog is part of the cost."""
-    started = time.perf_counter()
-    target = manifest_lines(dump_dir) + len(prompts) if dump_dir else 0
-    send_all(server, prompts)
-    while dump_dir and manifest_lines(dump_dir) < target:
-        if time.perf_counter() - started > timeout:
-            raise RuntimeError(f"{dump_dir}: {manifest_lines(dump_dir)} of {target} manifest lines after {timeout}s")
-        time.sleep(0.005)
-    return time.perf_counter() - started
-
-
-def clear_files(dump_dir: Optional[Path]) -> None:
-    """Remove the dumped files (the manifest stays, for counting), so a long run neither
-    fills the disk nor measures a disk whose cache is full of earlier rounds."""
-    for path in dump_dir.glob("*.safetensors") if dump_dir else ():
-        path.unlink()
-
-
-DEADLINE = [float("inf")]  # time.monotonic() after which no new round starts
-CHECKPOINT: dict = {}  # where main saves a suite's results as they grow
-
-
-STARTED = time.monotonic()
-
-
-def progress(message: str) -> None:
-    print(f"[{time.monotonic() - STARTED:7.1f}s] {message}", flush=True)
-
-
-def out_of_time() -> bool:
-    return time.monotonic() > DEADLINE[0]
-
-
-def checkpoint(partial: dict) -> None:
-    if CHECKPOINT:
-        CHECKPOINT["results"][CHECKPOINT["suite"]] = dict(partial, partial=True)
-        CHECKPOINT["out"].write_text(json.dumps(CHECKPOINT["results"], indent=1))
-
-
-def dd_rate(directory: Path, megabytes: int) -> float:
-    """Bytes/s of `dd bs=1M conv=fsync` writing `megabytes` into `directory`."""
-    target = directory / "dd.bin"
-    started = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={megabytes}", "conv=fsync"],
-                   check=True, capture_output=True)
-    seconds = time.perf_counter() - started
-    target.unlink()
-    return megabytes * 2**20 / seconds
-
-
-def filesystem(path: Path) -> str:
-    """`df -T`'s line for the filesystem holding `path`."""
-    return subprocess.run(["df", "-T", str(path)], capture_output=True, text=True).stdout.splitlines()[-1]
-
-
-def summary(values: List[float]) -> Dict[str, float]:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "raw": values}
-
-
 def upstream_tree() -> Path:
     """The unpatched package tree: UPSTREAM_TREE, else the runtime's own site-packages."""
     if os.environ.get("UPSTREAM_TREE"):
@@ -142,27 +65,6 @@ def upstream_tree() -> Path:
     import sysconfig
 
     return Path(sysconfig.get_paths()["purelib"])
-
-
-def start(model, log_dir: Path, name: str, env: dict, extra=(), tree=None) -> Server:
-    args = [*PRESET["server_args"], *extra]
-    return Server(model, log_dir / f"{name}.log", runtime_env(tree=tree, **env), args).start()
-
-
-def rss_kib(pid: int) -> int:
-    """Resident memory of a process and all its descendants, in KiB."""
-    total = 0
-    pids = [pid]
-    while pids:
-        current = pids.pop()
-        try:
-            with open(f"/proc/{current}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-            with open(f"/proc/{current}/task/{current}/children") as f:
-                pids += [int(child) for child in f.read().split()]
-        except (FileNotFoundError, StopIteration, ProcessLookupError):
-            pass
-    return total
 
 
 def tmpfs_holds_a_round(model, preset) -> bool:
@@ -174,14 +76,15 @@ def tmpfs_holds_a_round(model, preset) -> bool:
     return shutil.disk_usage(preset["tmpfs_dir"]).free > 2 * round_bytes
 
 
-def suite_prefill(model, preset, work: Path) -> dict:
+def suite_prefill(run: BenchRun) -> dict:
+    preset, work = run.preset, run.work
     dumps = {"upstream": None, "patched, dump off": None, "patched, dump on": work / "dump-prefill"}
-    if tmpfs_holds_a_round(model, preset):
+    if tmpfs_holds_a_round(run.model, preset):
         dumps["patched, dump on (tmpfs)"] = Path(tempfile.mkdtemp(prefix="dump-prefill-", dir=preset["tmpfs_dir"]))
     servers = {}
     for index, (name, dump_dir) in enumerate(dumps.items()):
         env = {"SGLANG_HS_DUMP_DIR": str(dump_dir)} if dump_dir else {}
-        servers[name] = start(model, work, f"prefill-{index}", env, tree=upstream_tree() if name == "upstream" else None)
+        servers[name] = run.start_server(f"prefill-{index}", env, tree=upstream_tree() if name == "upstream" else None)
     tokens = preset["prompts"] * preset["prompt_len"]
     names = list(servers)
     seconds = {name: [] for name in names}
@@ -202,12 +105,12 @@ def suite_prefill(model, preset, work: Path) -> dict:
     try:
         for server in servers.values():
             server.wait_ready()
-        progress(f"prefill: {len(servers)} servers ready")
+        run.progress(f"prefill: {len(servers)} servers ready")
         for name in names:  # one untimed round each: compile caches, allocator warm-up
             send_and_land(servers[name], prompts_for(8, preset["prompt_len"], seed=99), dumps[name])
             clear_files(dumps[name])
         for round_index in range(preset["repeats"]):
-            if round_index and out_of_time():
+            if round_index and run.out_of_time():
                 break
             # New prompts every round: a repeated prompt would hit the prefix cache of the
             # servers that do not dump and compare a cache hit with a full prefill.
@@ -216,26 +119,27 @@ def suite_prefill(model, preset, work: Path) -> dict:
             for name in order:
                 seconds[name].append(send_and_land(servers[name], prompts, dumps[name]))
                 clear_files(dumps[name])
-            checkpoint(result())
-            progress(f"prefill: round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.2f}s" for n, s in seconds.items()))
-        rss = {name: rss_kib(server.process.pid) for name, server in servers.items()}
+            run.checkpoint(result())
+            run.progress(f"prefill: round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.2f}s" for n, s in seconds.items()))
+        rss = {name: total_rss_kib(server) for name, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
     return result(rss)
 
 
-def suite_hidden(model, preset, work: Path) -> dict:
+def suite_hidden(run: BenchRun) -> dict:
+    preset, work = run.preset, run.work
     dump_dir = work / "dump-hidden"
     env = {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_LAYERS": "3"}
     tokens = preset["hidden_prompts"] * preset["prompt_len"]
-    server = start(model, work, "hidden", env, ["--enable-return-hidden-states"])
+    server = run.start_server("hidden", env, ["--enable-return-hidden-states"])
     dump_rates, http_rates = [], []
     try:
         server.wait_ready()
         send_and_land(server, prompts_for(4, preset["prompt_len"], seed=98), dump_dir)
         for round_index in range(preset["repeats"]):
-            if round_index and out_of_time():
+            if round_index and run.out_of_time():
                 break
             prompts = prompts_for(preset["hidden_prompts"], preset["prompt_len"], seed=2000 + round_index)
             dump_rates.append(tokens / send_and_land(server, prompts, dump_dir))
@@ -246,7 +150,7 @@ def suite_hidden(model, preset, work: Path) -> dict:
             http_rates.append(tokens / (time.perf_counter() - started))
     finally:
         server.stop()
-    hf_rates = transformers_rates(model, prompts, preset["repeats"])
+    hf_rates = transformers_rates(run.model, prompts, preset["repeats"])
     workload = f"{preset['hidden_prompts']} prompts x {preset['prompt_len']} tokens"
     return {
         "hidden_tokens_per_s": {"dump (1 layer, to disk)": summary(dump_rates),
@@ -278,19 +182,20 @@ def transformers_rates(model, prompts, repeats) -> List[float]:
     return rates
 
 
-def suite_write(model, preset, work: Path) -> dict:
+def suite_write(run: BenchRun) -> dict:
+    preset, work = run.preset, run.work
     dump_dir = work / "dump-write"
     dump_dir.mkdir()
     size_mb = 512 if has_gpu() else 128
     dd_rates = [dd_rate(dump_dir, size_mb) for _ in range(preset["repeats"])]
-    servers = {"dump on": start(model, work, "write-on", {"SGLANG_HS_DUMP_DIR": str(dump_dir)}),
-               "dump off": start(model, work, "write-off", {})}
+    servers = {"dump on": run.start_server("write-on", {"SGLANG_HS_DUMP_DIR": str(dump_dir)}),
+               "dump off": run.start_server("write-off", {})}
     dump_rates, rss = [], {}
     try:
         for server in servers.values():
             server.wait_ready()
         for round_index in range(preset["repeats"]):
-            if round_index and out_of_time():
+            if round_index and run.out_of_time():
                 break
             prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=4000 + round_index)
             seconds = send_and_land(servers["dump on"], prompts, dump_dir)
@@ -298,7 +203,7 @@ def suite_write(model, preset, work: Path) -> dict:
             dump_rates.append(written / seconds)
             clear_files(dump_dir)
             send_all(servers["dump off"], prompts)
-        rss = {name: rss_kib(server.process.pid) for name, server in servers.items()}
+        rss = {name: total_rss_kib(server) for name, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
@@ -308,30 +213,31 @@ def suite_write(model, preset, work: Path) -> dict:
             "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens per round, default layers"}
 
 
-def suite_scaling(model, preset, work: Path) -> dict:
+def suite_scaling(run: BenchRun) -> dict:
     """Time with dumping on over time with it off, for the same prompts, alternating."""
+    preset, work = run.preset, run.work
     results = {"by_prompt_len": {}, "by_layer_count": {}}
-    base = start(model, work, "scaling-off", {})
+    base = run.start_server("scaling-off", {})
     try:
         base.wait_ready()
         dump_dir = work / "dump-scaling"
-        dumping = start(model, work, "scaling-on", {"SGLANG_HS_DUMP_DIR": str(dump_dir)})
+        dumping = run.start_server("scaling-on", {"SGLANG_HS_DUMP_DIR": str(dump_dir)})
         try:
             dumping.wait_ready()
             for length in preset["lengths"]:
-                results["by_prompt_len"][length] = _time_ratio(base, dumping, dump_dir, preset, length)
-                checkpoint(results)
+                results["by_prompt_len"][length] = _time_ratio(run, base, dumping, dump_dir, length)
+                run.checkpoint(results)
         finally:
             dumping.stop()
         for count in preset["layer_counts"]:
             dump_dir = work / f"dump-layers{count}"
             env = {"SGLANG_HS_DUMP_DIR": str(dump_dir),
                    "SGLANG_HS_DUMP_LAYERS": ",".join(str(i) for i in range(1, count + 1))}
-            dumping = start(model, work, f"layers{count}", env)
+            dumping = run.start_server(f"layers{count}", env)
             try:
                 dumping.wait_ready()
-                results["by_layer_count"][count] = _time_ratio(base, dumping, dump_dir, preset, preset["prompt_len"])
-                checkpoint(results)
+                results["by_layer_count"][count] = _time_ratio(run, base, dumping, dump_dir, preset["prompt_len"])
+                run.checkpoint(results)
             finally:
                 dumping.stop()
     finally:
@@ -339,14 +245,15 @@ def suite_scaling(model, preset, work: Path) -> dict:
     return results
 
 
-def _time_ratio(base: Server, dumping: Server, dump_dir: Path, preset, length: int) -> dict:
+def _time_ratio(run: BenchRun, base: Server, dumping: Server, dump_dir: Path, length: int) -> dict:
+    preset = run.preset
     count = max(4, preset["prompts"] * preset["prompt_len"] // length // 4)
     warm_up = prompts_for(2, length, seed=length)
     send_all(base, warm_up)
     send_and_land(dumping, warm_up, dump_dir)
     on, off = [], []
     for round_index in range(preset["repeats"]):
-        if round_index and out_of_time():
+        if round_index and run.out_of_time():
             break
         prompts = prompts_for(count, length, seed=length * 100 + round_index)
         off.append(send_all(base, prompts))
@@ -355,7 +262,6 @@ def _time_ratio(base: Server, dumping: Server, dump_dir: Path, preset, length: i
     return {"prompts": count, "tokens": count * length, "ratio_on_over_off_time": summary([a / b for a, b in zip(on, off)])}
 
 
-PRESET: dict = {}  # the preset in use, for start()
 SUITES = {"prefill": suite_prefill, "hidden": suite_hidden, "write": suite_write, "scaling": suite_scaling}
 
 
@@ -368,24 +274,22 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no new round this many seconds after the start (each comparison keeps one)")
     args = parser.parse_args(argv)
-    if args.deadline_s is not None:
-        DEADLINE[0] = time.monotonic() + args.deadline_s
     preset = PRESETS[args.preset]
-    PRESET.update(preset)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-dump-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = ensure_model(**preset["model"])
-    progress(f"model ready: {model}")
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    run = BenchRun(preset, ensure_model(**preset["model"]), work, args.out, results)
+    if args.deadline_s is not None:
+        run.deadline = run.started + args.deadline_s
+    run.progress(f"model ready: {run.model}")
     results["machine"] = {"host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-                          "gpu": _gpu_name(), "preset": args.preset, "model": model.name}
-    CHECKPOINT.update(out=args.out, results=results)
+                          "gpu": _gpu_name(), "preset": args.preset, "model": run.model.name}
     for name in args.suite:
         started = time.perf_counter()
-        CHECKPOINT["suite"] = name
-        results[name] = SUITES[name](model, preset, work)
+        run.suite = name
+        results[name] = SUITES[name](run)
         results[name]["suite_seconds"] = round(time.perf_counter() - started, 1)
-        args.out.write_text(json.dumps(results, indent=1))
+        run.save()
         print(json.dumps({name: results[name]}, indent=1), flush=True)
     return 0
 

@@ -21,38 +21,36 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench.dump import dd_rate, filesystem, summary
-from scripts.dumps.server import manifest_lines
+from scripts.bench.measure import dd_rate, filesystem, summary, wait_for_lines
 
-NUM_LAYERS = 3
+LAYER_IDS = [3, 31, 59]  # EAGLE-3's default for a 61-layer model
+NUM_MODEL_LAYERS = 61
 THREAD_COUNTS = (1, 2, 4, 8)
 
 
 def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int) -> float:
-    # The writer is private to the dump module; the benchmark drives it the way
-    # HiddenStatesDumper does once a request's prompt is complete.
+    """Bytes/s landed by the dump's writer fed `files` requests the way the dumper feeds it
+    once a request's prompt is complete."""
     from sglang.srt.managers import hidden_states_dump as dump
 
     directory.mkdir()
-    rows = dump._HostRows(
+    rows = dump.HostRows(
         token_ids=torch.arange(tokens, dtype=torch.int64),
-        hidden_states=torch.randn(tokens, NUM_LAYERS, hidden_size).to(torch.bfloat16),
+        hidden_states=torch.randn(tokens, len(LAYER_IDS), hidden_size).to(torch.bfloat16),
         last_hidden_state=torch.randn(tokens, hidden_size).to(torch.bfloat16),
         ready=None,
     )
-    metadata = {"format": dump.FORMAT_VERSION, "layer_ids": json.dumps([3, 31, 59]), "num_layers": "61",
-                "model_path": "bench", "sglang_version": "bench", "series_version": dump.SERIES_VERSION}
-    writer = dump._Writer(str(directory), queue_size=files, on_full="block", metadata=metadata, threads=threads)
+    metadata = dump.file_metadata(LAYER_IDS, NUM_MODEL_LAYERS, model_path="bench")
+    writer = dump.DumpWriter(str(directory), LAYER_IDS, metadata, queue_size=files, threads=threads)
     started = time.perf_counter()
     for i in range(files):
-        writer.submit(dump._Job(dump.DumpRequest(f"bench-{i}", tokens), [dump._Chunk(rows, 0, tokens)]))
-    while manifest_lines(directory) < files:
-        time.sleep(0.002)
+        writer.submit(dump.DumpRequest(f"bench-{i}", tokens), [dump.Chunk(rows, 0, tokens)])
+    wait_for_lines(directory, files, started, timeout=600)
     seconds = time.perf_counter() - started
     written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    counters = writer.stats.line()
-    if "errors=0" not in counters:
-        raise SystemExit(f"the writer failed: {counters}")
+    counters = writer.counters()
+    if counters.errors:
+        raise SystemExit(f"the writer failed: {counters.line()}")
     shutil.rmtree(directory)
     return written / seconds
 
@@ -68,7 +66,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     args.dir.mkdir(parents=True, exist_ok=True)
-    file_bytes = args.tokens * (NUM_LAYERS + 1) * args.hidden_size * 2
+    file_bytes = args.tokens * (len(LAYER_IDS) + 1) * args.hidden_size * 2
     megabytes = max(1, file_bytes * args.files // 2**20)
     rates = {"dd conv=fsync": []}
     rates.update({f"writer, {n} threads": [] for n in THREAD_COUNTS})
@@ -86,7 +84,7 @@ def main(argv=None) -> int:
         "bytes_per_s": {name: summary(values) for name, values in rates.items()},
         "ratio to dd": {name: summary([r / d for r, d in zip(values, rates["dd conv=fsync"])])
                         for name, values in rates.items() if not name.startswith("dd")},
-        "workload": f"{args.files} files x {args.tokens} tokens x ({NUM_LAYERS}+1) x {args.hidden_size} bf16 "
+        "workload": f"{args.files} files x {args.tokens} tokens x ({len(LAYER_IDS)}+1) x {args.hidden_size} bf16 "
                     f"({file_bytes / 2**20:.1f} MiB each) per round and contender; dd writes the same bytes",
         "filesystem": filesystem(args.dir),
         "cpus": os.cpu_count(),

@@ -7,6 +7,7 @@ from scripts.toolchain.errors import ToolError
 from scripts.toolchain.hunks import apply_chain, series_paths
 from scripts.toolchain.inspection import Inspection, existing_checkout, half_applied_advice, inspect
 from scripts.toolchain.lock import load_lock
+from scripts.toolchain.overlay import OVERLAY_DIR
 
 
 def verify(version=None, sglang_dir=None, lock=None) -> Inspection:
@@ -59,4 +60,4 @@ def revert(version=None, sglang_dir=None, lock=None) -> str:
 def refresh_patches(version=None, lock=None) -> List[str]:
     lock = lock or load_lock()
     release = lock.release(version)
-    return refresh.refresh(existing_checkout(release), release.series_dir)
+    return refresh.refresh(existing_checkout(release), release.series_dir, release.root / OVERLAY_DIR)

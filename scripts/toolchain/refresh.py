@@ -2,13 +2,14 @@
 
 import datetime
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import git
 
 from scripts.toolchain.checkout import patch_commits
 from scripts.toolchain.errors import ToolError
-from scripts.toolchain.series import REQUIRED_HEADER_FIELDS, header_fields, split_header
+from scripts.toolchain.overlay import read_overlay, sync_checkout
+from scripts.toolchain.series import missing_header_fields, split_header
 from scripts.toolchain.tree import Tree
 
 
@@ -24,12 +25,15 @@ def with_last_update(header: str, day: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def refresh(tree: Tree, series_dir: Path) -> List[str]:
+def refresh(tree: Tree, series_dir: Path, overlay_root: Optional[Path] = None) -> List[str]:
     """Write one patch per commit above upstream and the series file; returns the patch names.
 
-    A patch keeps its DEP-3 header from its commit message; Last-Update moves to today only
-    when the diff itself changed.
+    Files the series adds are first brought in line with their one source in `overlay_root`
+    (the commit that adds each is amended). A patch keeps its DEP-3 header from its commit
+    message; Last-Update moves to today only when the diff itself changed.
     """
+    if overlay_root is not None:
+        sync_checkout(tree, read_overlay(overlay_root))
     commits = patch_commits(tree)
     if not commits:
         raise ToolError(f"{tree.root} has no commits above upstream: nothing to refresh from.")
@@ -38,7 +42,7 @@ def refresh(tree: Tree, series_dir: Path) -> List[str]:
     for commit in commits:
         stem = commit.summary.strip()
         header = commit.message.split("\n", 1)[1].strip("\n") + "\n" if "\n" in commit.message else ""
-        missing = [f for f in REQUIRED_HEADER_FIELDS if f not in header_fields(header)]
+        missing = missing_header_fields(header)
         if missing:
             raise ToolError(
                 f"commit {commit.hexsha[:10]} ({stem}) lacks DEP-3 fields {', '.join(missing)} in its message."

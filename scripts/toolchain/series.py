@@ -12,6 +12,8 @@ from scripts.toolchain.errors import USAGE, ToolError
 DIFF_START = re.compile(r"^(diff --git |--- )", re.MULTILINE)
 HUNK_HEADER = re.compile(r"^@@", re.MULTILINE)  # in a diff, only hunk headers start with "@@"
 REQUIRED_HEADER_FIELDS = ("Description", "Forwarded", "Last-Update")
+# DEP-3 asks for at least one of these: who wrote the patch, or where it comes from.
+PROVENANCE_FIELDS = ("Origin", "Author")
 
 
 @dataclass
@@ -50,6 +52,15 @@ def header_fields(header: str) -> dict:
     return fields
 
 
+def missing_header_fields(header: str) -> List[str]:
+    """The DEP-3 fields a patch header lacks ("Origin or Author" counts as one)."""
+    present = header_fields(header)
+    missing = [f for f in REQUIRED_HEADER_FIELDS if f not in present]
+    if not any(f in present for f in PROVENANCE_FIELDS):
+        missing.append(" or ".join(PROVENANCE_FIELDS))
+    return missing
+
+
 def read_series_names(series_dir: Path) -> List[str]:
     series_file = series_dir / "series"
     if not series_file.is_file():
@@ -68,7 +79,7 @@ def parse_patch(path: Path) -> Patch:
     except FileNotFoundError:
         raise ToolError(f"{path} is listed in series but does not exist.", USAGE)
     header, diff = split_header(text)
-    missing = [f for f in REQUIRED_HEADER_FIELDS if f not in header_fields(header)]
+    missing = missing_header_fields(header)
     if missing:
         raise ToolError(f"{path}: the DEP-3 header lacks {', '.join(missing)}.", USAGE)
     try:

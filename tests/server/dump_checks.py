@@ -2,14 +2,14 @@
 oracle, and reading the dump's counters from the server log."""
 
 import random
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from sglang.srt.managers.hidden_states_dump import DumpRecord
+from sglang.srt.managers.hidden_states_dump import DumpCounters, DumpRecord
 from scripts.dumps.server import Server, has_gpu, runtime_env
 from tests.server import oracle_hooks
 
@@ -80,17 +80,10 @@ def assert_matches_oracle(record: DumpRecord, prompt: Sequence[int], streams: Di
         f"{what}: last_hidden_state row {worst} of {num_tokens}: relative error {errors[worst]:.3g}")
 
 
-STATS_LINE = re.compile(
-    r"hidden states dump: .*?files=(\d+) tokens=(\d+) bytes=(\d+) errors=(\d+) dropped=(\d+) discarded=(\d+)")
-
-
 def dump_stats(log: str) -> Optional[Dict[str, int]]:
-    """The dump's counters from the last stats line of a server log (None: none logged)."""
-    matches = STATS_LINE.findall(log)
-    if not matches:
-        return None
-    names = ("files", "tokens", "bytes", "errors", "dropped", "discarded")
-    return dict(zip(names, map(int, matches[-1])))
+    """The dump's counters from the last counters line of a server log (None: none logged)."""
+    counters = DumpCounters.parse(log)
+    return None if counters is None else asdict(counters)
 
 
 def wait_until(condition, timeout: float, what: str, interval: float = 0.05):

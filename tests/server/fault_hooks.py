@@ -14,15 +14,15 @@ def stall_writer(config):
     from sglang.srt.managers import hidden_states_dump
 
     gate = Path(config["gate"])
-    write = hidden_states_dump._Writer._write
+    write_file = hidden_states_dump.DumpWriter.write_file
 
-    def stalled_write(self, job):
+    def stalled_write_file(self, job):
         gate.with_name(gate.name + ".holding").touch()
         while gate.exists():
             time.sleep(0.01)
-        write(self, job)
+        write_file(self, job)
 
-    hidden_states_dump._Writer._write = stalled_write
+    hidden_states_dump.DumpWriter.write_file = stalled_write_file
     return lambda module, inputs, output: None
 
 

@@ -106,6 +106,11 @@ def test_a_tree_that_differs_from_the_lock_needs_allow_unlocked(package_tree, lo
 
     inspection = operations.verify(sglang_dir=package_tree.root, lock=lock)
     assert (inspection.state.kind, inspection.matching_release) == ("clean", None)
+    code, out, _ = cli("verify", "--dir", package_tree.root)
+    assert code == 1, "verify must not call clean a tree that make apply refuses"
+    assert "upstream files match no release in sglang.lock" in out
+    assert "unlocked: every hunk applies, but the tree's files differ" in out
+    assert cli("verify", "--dir", package_tree.root, "--allow-unlocked")[0] == 0
     code, _, err = cli("apply", "--dir", package_tree.root)
     assert code == 1
     assert "ALLOW_UNLOCKED=1" in err
@@ -168,7 +173,7 @@ def test_pinned_checkout_with_another_version_of_the_series_is_reset_by_revert(p
     target = pinned.root / path
     target.write_text(target.read_text().replace(added, added + "  # as an older series had it", 1))
     repo.index.add([path])
-    repo.index.commit("0004-older\n\nDescription: x\nForwarded: no\nLast-Update: 2026-01-01\n")
+    repo.index.commit("0004-older\n\nDescription: x\nAuthor: tests\nForwarded: no\nLast-Update: 2026-01-01\n")
     old_head = repo.head.commit.hexsha
 
     with pytest.raises(ToolError, match="make revert"):

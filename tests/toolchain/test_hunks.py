@@ -105,7 +105,7 @@ def test_a_file_without_final_newline_applies_and_reverts_exactly(tmp_path, pack
     series_dir.mkdir(parents=True)
     (series_dir / "series").write_text("0001-register-v3.patch\n")
     (series_dir / "0001-register-v3.patch").write_text(
-        "Description: Register DeepseekV3\nForwarded: no\nLast-Update: 2025-06-05\n---\n" + diff
+        "Description: Register DeepseekV3\nAuthor: tests\nForwarded: no\nLast-Update: 2025-06-05\n---\n" + diff
     )
     lock_path = tmp_path / "elsewhere" / "sglang.lock"
     lock_path.write_text(lock_toml(VERSION, {VERSION: {MODEL: sha256_of(model)}}, "0" * 64))

@@ -64,7 +64,7 @@ def test_a_commit_without_a_dep3_header_is_refused_and_nothing_is_written(patche
     git.Repo(patched.root).git.commit("--quiet", "--all", "-m", "0004-quick-fix")
     (release.series_dir / PATCH_NAMES[0]).unlink()  # a refresh that went ahead would write it back
     before = snapshot(release.series_dir)
-    with pytest.raises(ToolError, match=r"\(0004-quick-fix\) lacks DEP-3 fields Description, Forwarded, Last-Update"):
+    with pytest.raises(ToolError, match=r"\(0004-quick-fix\) lacks DEP-3 fields Description, Forwarded, Last-Update, Origin or Author"):
         refresh(patched, release.series_dir)
     assert snapshot(release.series_dir) == before
 

@@ -38,6 +38,7 @@ CORRUPTIONS = {
     "file header without hunks": lambda text: keep_header(text, "diff --git a/sglang/x.py b/sglang/x.py\nnot a diff\n"),
     "garbage instead of a diff": lambda text: keep_header(text, "\x00\x01 garbage\n@@ nonsense @@\n"),
     "no Forwarded field": lambda text: text.replace("Forwarded: no\n", ""),
+    "neither Origin nor Author": lambda text: text.replace("Author: sglang-eagle3-dump maintainers\n", ""),
 }
 
 

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 # The patched SGLang tree under test goes first on the path: the runtime venv holds
 # upstream SGLang, which must not be the one these tests import.
 sys.path.insert(0, os.environ["SGLANG_CHECKOUT"])
@@ -14,3 +16,10 @@ assert os.path.realpath(sglang.__file__).startswith(
 
 # The release under test: the series differs where upstream changed.
 RELEASE = tuple(int(part) for part in os.environ["SGLANG_VERSION"].split("."))
+
+
+@pytest.fixture
+def dump_dir(tmp_path):
+    path = tmp_path / "dump"
+    path.mkdir()
+    return path

@@ -1,0 +1,45 @@
+"""One benchmark run: its preset, work folder, clock and deadline, and the results file it
+saves as suites progress. Every suite gets the run instead of reading module state."""
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+from scripts.dumps.server import Server, runtime_env
+
+
+@dataclass
+class BenchRun:
+    preset: dict
+    model: Path
+    work: Path
+    out: Path
+    results: dict
+    deadline: float = float("inf")  # time.monotonic() after which no new round starts
+    started: float = field(default_factory=time.monotonic)
+    suite: Optional[str] = None  # the suite running now, whose partial results checkpoint() saves
+
+    def progress(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:7.1f}s] {message}", flush=True)
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def checkpoint(self, partial: dict) -> None:
+        """Save a suite's results so far, so a run cut short keeps them."""
+        self.results[self.suite] = dict(partial, partial=True)
+        self.save()
+
+    def save(self) -> None:
+        self.out.write_text(json.dumps(self.results, indent=1))
+
+    def start_server(self, name: str, env: Dict[str, str], extra=(), tree: Optional[Path] = None) -> Server:
+        args = [*self.preset["server_args"], *extra]
+        return Server(self.model, self.work / f"{name}.log", runtime_env(tree=tree, **env), args).start()
+
+
+def total_rss_kib(server: Server) -> int:
+    """Resident memory of all of a server's processes, in KiB."""
+    return sum(server.resident_memory_kb().values())

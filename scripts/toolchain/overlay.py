@@ -1,0 +1,86 @@
+"""The files the series adds to SGLang, each kept once in sglang_overlay/ (laid out like the
+package root that holds `sglang/`) and carried into every release's series from there.
+
+refresh-patches first makes the pinned checkout agree with the overlay: it amends the commit
+that adds each file (a fixup commit squashed in by git's own autosquash), so the patch then
+generated from that commit holds the file exactly as the overlay has it.
+"""
+
+from pathlib import Path
+from typing import Dict, List
+
+import git
+
+from scripts.toolchain.checkout import AUTHOR, UPSTREAM_TAG, patch_commits
+from scripts.toolchain.errors import ToolError
+from scripts.toolchain.series import Patch
+from scripts.toolchain.tree import Tree
+
+OVERLAY_DIR = "sglang_overlay"
+
+
+def read_overlay(root: Path) -> Dict[str, bytes]:
+    """Every file under the overlay `root`, keyed by its path relative to it ("sglang/srt/...")."""
+    if not root.is_dir():
+        return {}
+    return {
+        path.relative_to(root).as_posix(): path.read_bytes()
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+
+
+def added_files(patches: List[Patch]) -> Dict[str, bytes]:
+    """The content of every file the series creates, as its patch writes it."""
+    added = {}
+    for patch in patches:
+        for patched_file in patch.patchset:
+            if patched_file.is_added_file:
+                added[patched_file.path] = "".join(
+                    line.value for hunk in patched_file for line in hunk if line.is_added
+                ).encode("utf-8")
+    return added
+
+
+def stale_in_series(patches: List[Patch], overlay: Dict[str, bytes]) -> List[str]:
+    """Files the series adds whose content differs from their one source in the overlay."""
+    return sorted(path for path, data in added_files(patches).items() if path in overlay and overlay[path] != data)
+
+
+def sync_checkout(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
+    """Amend the commit that adds each overlay file so that it holds the overlay's bytes;
+    returns the paths that changed. Commits after it must not touch the file."""
+    repo = git.Repo(tree.root)
+    prefix = tree.package_root.relative_to(tree.root)
+    changed = []
+    for path, data in overlay.items():
+        repo_path = (prefix / path).as_posix()
+        touching = [c for c in patch_commits(tree) if repo_path in _paths_changed(c)]
+        if not touching or not _adds(touching[0], repo_path):
+            continue
+        if len(touching) > 1:
+            raise ToolError(
+                f"{repo_path} comes from {OVERLAY_DIR}/, but commits after the one that adds it "
+                f"change it too ({', '.join(c.summary for c in touching[1:])}): edit "
+                f"{OVERLAY_DIR}/{path} instead and drop those changes."
+            )
+        full = tree.root / repo_path
+        if full.read_bytes() == data:
+            continue
+        full.write_bytes(data)
+        repo.index.add([repo_path])
+        repo.index.commit(f"fixup! {touching[0].summary}", author=AUTHOR, committer=AUTHOR)
+        changed.append(path)
+    if changed:
+        with repo.git.custom_environment(GIT_SEQUENCE_EDITOR="true", GIT_COMMITTER_NAME=AUTHOR.name,
+                                         GIT_COMMITTER_EMAIL=AUTHOR.email):
+            repo.git.rebase("--interactive", "--autosquash", "--quiet", UPSTREAM_TAG)
+    return changed
+
+
+def _paths_changed(commit: git.Commit) -> List[str]:
+    return [diff.b_path or diff.a_path for diff in commit.parents[0].diff(commit)]
+
+
+def _adds(commit: git.Commit, repo_path: str) -> bool:
+    return any(diff.new_file and diff.b_path == repo_path for diff in commit.parents[0].diff(commit))

@@ -1,0 +1,760 @@
+"""Dump the hidden states of every prefilled prompt to disk, for EAGLE-3 draft training.
+
+Turned on by SGLANG_HS_DUMP_DIR. For each request, once its whole prompt has been
+prefilled (chunks of a chunked prefill are stitched on the host), one safetensors file
+holds
+
+    token_ids          int64 [T]
+    hidden_states      [T, K, H] in the model dtype: the residual stream entering each
+                       configured layer, in the configured order (transformers'
+                       `hidden_states` convention: 0 is the embedding output, L the last
+                       layer's output before the final norm)
+    last_hidden_state  [T, H]: the final normed state the LM head reads
+
+and then one line is appended to <dir>/manifest.jsonl. A file is written under a
+temporary name and renamed once complete, and its manifest line follows the rename, so
+every manifest line names a complete file. File names never derive from request ids.
+
+One source for every release the series supports: what differs between releases is
+found at runtime (feature checks on the server arguments and on upstream modules), never
+kept as copies.
+
+The hooks elsewhere stay thin: ScheduleBatch asks `requests_to_dump` which requests of
+an extend batch are dumped, and the model hands its outputs to
+`HiddenStatesDumper.capture` after each forward. Rows leave the device without blocking
+the forward; background threads stitch, serialize and write them.
+"""
+
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from sglang.srt.environ import envs
+from sglang.version import __version__
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = "1"
+# The dump's own revision within the series, bumped when what it writes or refuses changes.
+SERIES_REVISION = 4
+SERIES_VERSION = f"{__version__}-{SERIES_REVISION}"
+MANIFEST_NAME = "manifest.jsonl"
+TEMP_PREFIX = ".partial-"
+# Requests the server sends itself (startup warmup, /health_generate) are never dumped.
+INTERNAL_RID_PREFIXES = ("WARMUP_", "HEALTH_CHECK")
+# The counters are logged after every error, drop and discard, after the first file (the
+# dump works), then every STATS_LOG_EVERY_FILES files or STATS_LOG_INTERVAL_S seconds.
+STATS_LOG_INTERVAL_S = 60.0
+STATS_LOG_EVERY_FILES = 1000
+
+
+@lru_cache(maxsize=1)
+def dump_enabled() -> bool:
+    return bool(envs.SGLANG_HS_DUMP_DIR.get())
+
+
+@dataclass(frozen=True)
+class DumpRequest:
+    """What the dump needs to know about one request of an extend batch."""
+
+    rid: str
+    prompt_len: int
+
+
+def wants_dump(req) -> bool:
+    """Whether this request's next prefill is dumped: a client request whose prompt has
+    not been prefilled whole yet (a retracted request prefills again with output ids),
+    and that is not being aborted. An abort (client, timeout, or a request the scheduler
+    rejects, whose prompt it replaces by one token) only takes effect once the prefill
+    is done, so without this an aborted request would still be dumped."""
+    return (
+        not req.output_ids
+        and req.to_finish is None
+        and not req.finished()
+        and isinstance(req.rid, str)
+        and not req.rid.startswith(INTERNAL_RID_PREFIXES)
+    )
+
+
+def requests_to_dump(reqs) -> List[Optional[DumpRequest]]:
+    return [
+        DumpRequest(req.rid, len(req.origin_input_ids)) if wants_dump(req) else None
+        for req in reqs
+    ]
+
+
+def default_layer_ids(num_layers: int) -> List[int]:
+    """EAGLE-3's default, [3, L//2+1, L-2] ([3, 31, 59] for 61 layers); for models too
+    shallow for three distinct ids, the distinct ones within 0..L, ascending."""
+    candidates = (3, num_layers // 2 + 1, num_layers - 2)
+    return sorted({min(max(layer_id, 0), num_layers) for layer_id in candidates})
+
+
+def parse_layer_ids(spec: Optional[str], num_layers: int) -> List[int]:
+    valid = f"the model has L={num_layers} layers, so valid ids are 0..{num_layers}"
+    if spec is None or not spec.strip():
+        if spec is not None:
+            raise ValueError(f"SGLANG_HS_DUMP_LAYERS is empty; {valid}.")
+        return default_layer_ids(num_layers)
+    try:
+        ids = [int(item) for item in spec.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"SGLANG_HS_DUMP_LAYERS={spec!r} is not a comma-separated list of integers; "
+            f"{valid}."
+        )
+    out_of_range = [i for i in ids if not 0 <= i <= num_layers]
+    if out_of_range:
+        raise ValueError(
+            f"SGLANG_HS_DUMP_LAYERS={spec!r}: {out_of_range} out of range; {valid} "
+            f"(0 is the embedding output, {num_layers} the last layer's output before "
+            f"the final norm)."
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"SGLANG_HS_DUMP_LAYERS={spec!r} repeats a layer id; {valid}.")
+    return ids
+
+
+def check_server_args(server_args) -> None:
+    """Refuse the configurations in which a dump would be incomplete or wrong."""
+    refusals = []
+    if server_args.pp_size > 1:
+        refusals.append(
+            "pipeline parallelism (--pp-size > 1): each stage only runs its own layers "
+            "and aux hidden states are not passed between stages"
+        )
+    if server_args.speculative_algorithm is not None:
+        refusals.append(
+            "speculative decoding: it sets its own layers to capture on the target model"
+        )
+    if server_args.enable_two_batch_overlap:
+        refusals.append(
+            "--enable-two-batch-overlap: its overlapped layers run without the capture"
+        )
+    if (
+        getattr(server_args, "enable_piecewise_cuda_graph", False)
+        and not prefill_graphs_run_dumps_eagerly()
+    ):
+        refusals.append(
+            "--enable-piecewise-cuda-graph: a replayed prefill does not run the dump hook"
+        )
+    if refusals:
+        raise ValueError(
+            "SGLANG_HS_DUMP_DIR is set, but the hidden states dump does not support "
+            + "; ".join(refusals)
+            + "."
+        )
+
+
+def prefill_graphs_run_dumps_eagerly() -> bool:
+    """Whether prefill CUDA graphs leave prefills with dumped requests to run eagerly.
+    Releases that route prefill graphs through PrefillCudaGraphRunner get a series patch
+    that declines such batches; older ones replay a piecewise graph, which runs no hook."""
+    try:
+        runner = importlib.util.find_spec(
+            "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
+        )
+    except ModuleNotFoundError:  # no model_executor.runner package at all
+        return False
+    return runner is not None
+
+
+def file_metadata(
+    layer_ids: List[int], num_layers: int, model_path: str
+) -> Dict[str, str]:
+    """The metadata every file of a dump carries (the writer adds each file's rid)."""
+    return {
+        "format": FORMAT_VERSION,
+        "layer_ids": json.dumps(layer_ids),
+        "num_layers": str(num_layers),
+        "model_path": str(model_path),
+        "sglang_version": __version__,
+        "series_version": SERIES_VERSION,
+    }
+
+
+def check_dump_dir(dump_dir: str) -> None:
+    try:
+        os.makedirs(dump_dir, exist_ok=True)
+        probe = os.path.join(dump_dir, f"{TEMP_PREFIX}probe-{uuid.uuid4().hex}")
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(
+            f"SGLANG_HS_DUMP_DIR={dump_dir!r} is not a writable directory: {e}"
+        )
+
+
+@dataclass
+class HostRows:
+    """Rows of one forward on their way to the host; valid once `ready` has completed."""
+
+    token_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    last_hidden_state: torch.Tensor
+    ready: Optional[torch.cuda.Event]
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+@dataclass
+class Chunk:
+    """One request's rows inside the host rows of one forward."""
+
+    rows: HostRows
+    start: int  # row range of this request inside `rows`
+    end: int
+
+    def take(self, name: str) -> torch.Tensor:
+        return getattr(self.rows, name)[self.start : self.end]
+
+
+@dataclass
+class _Partial:
+    """A request whose prompt is prefilled in chunks: the chunks seen so far."""
+
+    request: DumpRequest
+    chunks: List[Chunk] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass
+class _Job:
+    request: DumpRequest
+    chunks: List[Chunk]
+    sequence: int  # submission order, which the manifest keeps
+
+
+@dataclass(frozen=True)
+class DumpCounters:
+    """A snapshot of the dump's counters. Operators read them in the log, as the line
+    `line` builds; `parse` reads the last such line of a log back."""
+
+    files: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    errors: int = 0
+    dropped: int = 0
+    discarded: int = 0
+
+    def line(self) -> str:
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+    @classmethod
+    def parse(cls, log: str) -> Optional["DumpCounters"]:
+        """The counters of the last counters line in `log` (None: there is none)."""
+        pattern = "hidden states dump: " + " ".join(
+            rf"{f.name}=(\d+)" for f in fields(cls)
+        )
+        matches = re.findall(pattern, log)
+        return cls(*map(int, matches[-1])) if matches else None
+
+
+class _Stats:
+    """The dump's counters, logged after every error, drop and discard, after the first
+    file (the dump works), then every STATS_LOG_EVERY_FILES files or
+    STATS_LOG_INTERVAL_S seconds."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.counts = {f.name: 0 for f in fields(DumpCounters)}
+        self.last_log = time.monotonic()
+
+    def add(self, **counts) -> None:
+        with self.lock:
+            for name, value in counts.items():
+                self.counts[name] += value
+            now = time.monotonic()
+            files = self.counts["files"]
+            due = (
+                "files" not in counts
+                or files == 1
+                or files % STATS_LOG_EVERY_FILES == 0
+                or now - self.last_log > STATS_LOG_INTERVAL_S
+            )
+            if due:
+                self.last_log = now
+                snapshot = DumpCounters(**self.counts)
+        if due:
+            logger.info(f"hidden states dump: {snapshot.line()}")
+
+    def snapshot(self) -> DumpCounters:
+        with self.lock:
+            return DumpCounters(**self.counts)
+
+
+class _InOrder:
+    """Lets jobs that several threads take from one FIFO queue append their manifest
+    lines in the order they were submitted: a job waits for the jobs before it."""
+
+    def __init__(self):
+        self._turn = threading.Condition()
+        self._next = 0
+
+    def wait(self, sequence: int) -> None:
+        with self._turn:
+            self._turn.wait_for(lambda: self._next == sequence)
+
+    def done(self, sequence: int) -> None:
+        with self._turn:
+            self._turn.wait_for(lambda: self._next == sequence)
+            self._next += 1
+            self._turn.notify_all()
+
+
+class DumpWriter:
+    """Background threads that turn complete requests into files, fed by a bounded
+    queue. Files are written and fsynced in parallel under temporary names, then renamed
+    and listed in the manifest in the order they were submitted. Needs no server: feed it
+    host rows with `submit`.
+
+    When the queue is full (every thread busy and `queue_size` jobs waiting), `block`
+    (the default) makes the scheduler wait for the disk, so nothing is lost; `drop`
+    drops the request's dump and counts it.
+    """
+
+    def __init__(
+        self,
+        dump_dir: str,
+        layer_ids: List[int],
+        metadata: Dict[str, str],
+        queue_size: int = 64,
+        on_full: str = "block",
+        threads: int = 4,
+    ):
+        self.dump_dir = dump_dir
+        self.layer_ids = list(layer_ids)
+        self.on_full = on_full
+        self.metadata = metadata
+        self.stats = _Stats()
+        self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self.sequence = 0  # of the next job submitted; only the scheduler submits
+        self.in_order = _InOrder()
+        self.queue: "queue.Queue[_Job]" = queue.Queue(maxsize=queue_size)
+        self.threads = [
+            threading.Thread(
+                target=self._run, name=f"hidden-states-dump-writer-{i}", daemon=True
+            )
+            for i in range(threads)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def counters(self) -> DumpCounters:
+        return self.stats.snapshot()
+
+    def submit(self, request: DumpRequest, chunks: List[Chunk]) -> None:
+        """Queue one request whose whole prompt is in `chunks`, in prompt order. Only one
+        thread submits (the scheduler's)."""
+        job = _Job(request, chunks, self.sequence)
+        if self.on_full == "drop":
+            try:
+                self.queue.put_nowait(job)
+            except queue.Full:
+                logger.warning(
+                    f"hidden states dump: queue full, dropped request {job.request.rid!r}"
+                )
+                self.stats.add(dropped=1)
+                return
+        else:
+            self.queue.put(job)
+        self.sequence += 1
+
+    def _run(self) -> None:
+        while True:
+            job = self.queue.get()
+            try:
+                self.write_file(job)
+            except Exception as e:
+                logger.error(
+                    f"hidden states dump: request {job.request.rid!r} not written: {e!r}"
+                )
+                self.stats.add(errors=1)
+            finally:
+                self.in_order.done(job.sequence)
+
+    def write_file(self, job: _Job) -> None:
+        """Write one job's file and its manifest line (on a writer thread)."""
+        for chunk in job.chunks:
+            chunk.rows.wait()
+        parts = {
+            name: [chunk.take(name) for chunk in job.chunks]
+            for name in ("token_ids", "hidden_states", "last_hidden_state")
+        }
+        num_tokens = sum(part.shape[0] for part in parts["token_ids"])
+        hidden_states = parts["hidden_states"][0]
+        hidden_size = hidden_states.shape[-1]
+        metadata = dict(self.metadata, rid=job.request.rid)
+        header = _safetensors_header(parts, num_tokens, metadata)
+
+        name = f"{self.run_id}-{job.sequence + 1:09d}.safetensors"
+        final_path = os.path.join(self.dump_dir, name)
+        temp_path = os.path.join(self.dump_dir, TEMP_PREFIX + name)
+        os.makedirs(self.dump_dir, exist_ok=True)
+        size = len(header)
+        try:
+            with open(temp_path, "xb") as f:
+                f.write(header)
+                # The chunks go straight from the host rows to the file: no
+                # concatenated copy, no serialized copy.
+                for tensors in parts.values():
+                    for part in tensors:
+                        size += f.write(_as_bytes(part))
+                f.flush()
+                os.fsync(f.fileno())
+            # Renamed in turn, so a killed server leaves only temporary files behind.
+            self.in_order.wait(job.sequence)
+            os.replace(temp_path, final_path)
+        except BaseException:
+            _remove_quietly(temp_path)
+            raise
+        line = json.dumps(
+            {
+                "rid": job.request.rid,
+                "file": name,
+                "num_tokens": num_tokens,
+                "layers": self.layer_ids,
+                "hidden_size": hidden_size,
+                "dtype": str(hidden_states.dtype).replace("torch.", ""),
+            }
+        )
+        try:
+            _append_line(os.path.join(self.dump_dir, MANIFEST_NAME), line)
+        except BaseException:
+            _remove_quietly(final_path)
+            raise
+        self.stats.add(files=1, tokens=num_tokens, bytes=size)
+
+
+_SAFETENSORS_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int64: "I64",
+}
+
+
+def _safetensors_header(
+    parts: Dict[str, List[torch.Tensor]], num_tokens: int, metadata: Dict[str, str]
+) -> bytes:
+    """The safetensors header of a file whose tensors are the row-wise concatenation of
+    `parts`, stored back to back in that order. Metadata values must have a UTF-8 form
+    (a lone surrogate in a rid fails here, before anything is written)."""
+    header: Dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensors in parts.items():
+        first = tensors[0]
+        shape = [num_tokens, *first.shape[1:]]
+        size = first.element_size() * num_tokens * math.prod(first.shape[1:])
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[first.dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":"))
+    encoded = encoded.encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # tensor data starts 8-byte aligned
+    return len(encoded).to_bytes(8, "little") + encoded
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in row-major order (little-endian hosts), without a copy when
+    it is contiguous."""
+    return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _append_line(path: str, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        data = (line + "\n").encode("utf-8")
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(f"short write to {path}")
+            os.fsync(fd)
+        except BaseException:
+            # A part of a line (a full disk) would join the next line appended.
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _repair_torn_manifest(path: str) -> None:
+    """Cut a torn last line (a server killed, or the machine lost, in the middle of
+    appending) so that the next line starts on a line of its own. Its file stays, unlisted,
+    as after a kill between the rename and the manifest line."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        if end == 0:
+            return
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return
+        start = end
+        while start > 0:
+            block_start = max(start - (1 << 16), 0)
+            f.seek(block_start)
+            newline = f.read(start - block_start).rfind(b"\n")
+            if newline >= 0:
+                start = block_start + newline + 1
+                break
+            start = block_start
+        f.seek(start)
+        tail = f.read()
+        if _parse_manifest_line(tail) is not None:
+            f.write(b"\n")  # complete but for its newline
+        else:
+            logger.warning(
+                f"hidden states dump: removing a torn last line of {path}: {tail[:200]!r}"
+            )
+            f.truncate(start)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _parse_manifest_line(line: bytes) -> Optional[dict]:
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+class HiddenStatesDumper:
+    """One per model replica. Every rank validates the configuration the same way; only
+    the rank that writes for its data-parallel group copies rows and writes files."""
+
+    def __init__(self, dump_dir: str, layer_ids: List[int], is_writer: bool, metadata):
+        self.dump_dir = dump_dir
+        self.layer_ids = layer_ids
+        # The model appends aux hidden states as its layers run, i.e. by ascending id.
+        self._aux_order = [sorted(layer_ids).index(i) for i in layer_ids]
+        self.is_writer = is_writer
+        self._partials: Dict[str, _Partial] = {}
+        self._writer = None
+        if is_writer:
+            self._remove_stale_temp_files()
+            _repair_torn_manifest(os.path.join(dump_dir, MANIFEST_NAME))
+            self._writer = DumpWriter(
+                dump_dir,
+                layer_ids,
+                metadata,
+                queue_size=envs.SGLANG_HS_DUMP_QUEUE_SIZE.get(),
+                on_full=envs.SGLANG_HS_DUMP_ON_FULL_QUEUE.get(),
+                threads=envs.SGLANG_HS_DUMP_WRITER_THREADS.get(),
+            )
+            eager = (
+                "; prefills with dumped requests run without prefill CUDA graphs"
+                if prefill_graphs_run_dumps_eagerly()
+                else ""
+            )
+            logger.info(
+                f"hidden states dump on: dir={dump_dir} layers={layer_ids} "
+                f"(of L={metadata['num_layers']}){eager}"
+            )
+
+    @classmethod
+    def from_env(cls, config) -> Optional["HiddenStatesDumper"]:
+        if not dump_enabled():
+            return None
+        from sglang.srt.distributed import get_pp_group
+        from sglang.srt.layers.dp_attention import get_attention_tp_rank
+        from sglang.srt.server_args import get_global_server_args
+
+        server_args = get_global_server_args()
+        check_server_args(server_args)
+        dump_dir = envs.SGLANG_HS_DUMP_DIR.get()
+        num_layers = config.num_hidden_layers
+        layer_ids = parse_layer_ids(envs.SGLANG_HS_DUMP_LAYERS.get(), num_layers)
+        on_full = envs.SGLANG_HS_DUMP_ON_FULL_QUEUE.get()
+        if on_full not in ("block", "drop"):
+            raise ValueError(
+                f"SGLANG_HS_DUMP_ON_FULL_QUEUE={on_full!r}: use 'block' or 'drop'."
+            )
+        if envs.SGLANG_HS_DUMP_QUEUE_SIZE.get() < 1:
+            raise ValueError("SGLANG_HS_DUMP_QUEUE_SIZE must be at least 1.")
+        if envs.SGLANG_HS_DUMP_WRITER_THREADS.get() < 1:
+            raise ValueError("SGLANG_HS_DUMP_WRITER_THREADS must be at least 1.")
+        check_dump_dir(dump_dir)
+        metadata = file_metadata(layer_ids, num_layers, server_args.model_path)
+        is_writer = get_attention_tp_rank() == 0 and get_pp_group().is_last_rank
+        return cls(dump_dir, layer_ids, is_writer, metadata)
+
+    def _remove_stale_temp_files(self) -> None:
+        # Left behind by a server killed in the middle of a write.
+        for name in os.listdir(self.dump_dir):
+            if name.startswith(TEMP_PREFIX):
+                _remove_quietly(os.path.join(self.dump_dir, name))
+
+    def counters(self) -> Optional[DumpCounters]:
+        """The counters of this replica's writer (None on ranks that do not write)."""
+        return self._writer.counters() if self._writer else None
+
+    def capture(
+        self,
+        forward_batch,
+        hidden_states: torch.Tensor,
+        aux_hidden_states: Optional[Sequence[torch.Tensor]],
+    ) -> None:
+        requests = forward_batch.hidden_states_dump_requests
+        if requests is None or not self.is_writer:
+            return
+        spans, continuing = self._spans(forward_batch, requests)
+        self._discard_abandoned(continuing)
+        if not spans:
+            return
+        rows = self._copy_to_host(forward_batch, hidden_states, aux_hidden_states, spans)
+        offset = 0
+        for request, prefix_len, start, end in spans:
+            chunk = Chunk(rows, offset, offset + end - start)
+            offset += end - start
+            self._add_chunk(request, prefix_len, chunk)
+
+    def _spans(self, forward_batch, requests):
+        """(request, prefix_len, first row, end row) of each dumped request's prompt rows in
+        this forward, and the rids the forward continues."""
+        spans, continuing = [], set()
+        start = 0
+        for request, prefix_len, extend_len in zip(
+            requests,
+            forward_batch.extend_prefix_lens_cpu,
+            forward_batch.extend_seq_lens_cpu,
+        ):
+            if request is not None:
+                continuing.add(request.rid)
+                prompt_rows = min(extend_len, request.prompt_len - prefix_len)
+                if prompt_rows > 0:
+                    spans.append((request, prefix_len, start, start + prompt_rows))
+            start += extend_len
+        return spans, continuing
+
+    def _discard_abandoned(self, continuing) -> None:
+        # The scheduler puts a request that is being prefilled in chunks into every
+        # next prefill batch until its prompt is done; one missing from this batch was
+        # aborted or retracted, and its chunks are dropped.
+        for rid in [rid for rid in self._partials if rid not in continuing]:
+            partial = self._partials.pop(rid)
+            logger.info(
+                f"hidden states dump: request {rid!r} left after "
+                f"{partial.num_tokens} of {partial.request.prompt_len} prompt tokens; "
+                f"nothing written"
+            )
+            self._writer.stats.add(discarded=1)
+
+    def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans):
+        def dumped_rows(tensor: torch.Tensor) -> torch.Tensor:
+            if len(spans) == 1 or all(a[3] == b[2] for a, b in zip(spans, spans[1:])):
+                return tensor[spans[0][2] : spans[-1][3]]
+            return torch.cat([tensor[start:end] for _, _, start, end in spans])
+
+        device_rows = (
+            dumped_rows(forward_batch.input_ids).to(torch.int64),
+            torch.stack([dumped_rows(aux_hidden_states[j]) for j in self._aux_order], dim=1),
+            dumped_rows(hidden_states),
+        )
+        if hidden_states.device.type == "cpu":
+            host_rows = [t.clone() for t in device_rows]
+            ready = None
+        else:
+            host_rows = []
+            for tensor in device_rows:
+                host = torch.empty(
+                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True
+                )
+                host.copy_(tensor, non_blocking=True)
+                host_rows.append(host)
+            ready = torch.cuda.Event()
+            ready.record()
+        return HostRows(*host_rows, ready=ready)
+
+    def _add_chunk(self, request: DumpRequest, prefix_len: int, chunk: Chunk) -> None:
+        partial = self._partials.pop(request.rid, None)
+        if prefix_len == 0:
+            partial = _Partial(request)
+        elif partial is None or partial.num_tokens != prefix_len:
+            have = 0 if partial is None else partial.num_tokens
+            logger.error(
+                f"hidden states dump: request {request.rid!r} has no hidden states for "
+                f"prompt positions {have}..{prefix_len}; nothing written"
+            )
+            self._writer.stats.add(errors=1)
+            return
+        partial.chunks.append(chunk)
+        partial.num_tokens += chunk.end - chunk.start
+        if partial.num_tokens >= request.prompt_len:
+            self._writer.submit(request, partial.chunks)
+        else:
+            self._partials[request.rid] = partial
+
+
+@dataclass
+class DumpRecord:
+    token_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    last_hidden_state: torch.Tensor
+    metadata: Dict[str, str]
+
+    @property
+    def layer_ids(self) -> List[int]:
+        return json.loads(self.metadata["layer_ids"])
+
+
+def load_dump(path: str) -> DumpRecord:
+    """Read one dumped file: the writer's twin, used by tests and tools."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return DumpRecord(
+            token_ids=f.get_tensor("token_ids"),
+            hidden_states=f.get_tensor("hidden_states"),
+            last_hidden_state=f.get_tensor("last_hidden_state"),
+            metadata=f.metadata(),
+        )
+
+
+def read_manifest(dump_dir: str) -> List[dict]:
+    """The manifest's entries, in order. A torn last line (a line being appended, or one a
+    killed server left) is not an entry; a line that does not parse elsewhere is an error."""
+    path = os.path.join(dump_dir, MANIFEST_NAME)
+    if not os.path.exists(path):
+        return []
+    entries = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            entry = _parse_manifest_line(line)
+            if entry is None:
+                if not line.endswith(b"\n"):  # the last line, torn
+                    break
+                raise ValueError(f"{path}:{number}: not a manifest entry: {line[:200]!r}")
+            entries.append(entry)
+    return entries

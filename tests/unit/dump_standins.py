@@ -1,0 +1,169 @@
+"""Stand-ins the dump module's unit tests share: a model whose every row says which token
+and which layer it belongs to, a forward batch, and ways to wait for and check the files.
+
+Row values are `token_id * 1000 + layer_id * 10 + column`, and the final normed state is
+its negative. Token ids are distinct across all prompts of a test, so a row taken from the
+wrong request or position cannot match.
+"""
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.managers import hidden_states_dump
+from sglang.srt.managers.hidden_states_dump import (
+    DumpRequest,
+    HiddenStatesDumper,
+    file_metadata,
+    load_dump,
+    read_manifest,
+)
+
+HIDDEN_SIZE = 3
+NUM_LAYERS = 4
+WAIT_TIMEOUT_S = 30.0
+FILE_NAME = re.compile(r"^\d{8}T\d{6}-[0-9a-f]{8}-\d{9}\.safetensors$")
+
+
+def layer_rows(token_ids: Sequence[int], layer_id: int) -> torch.Tensor:
+    """The stand-in model's residual stream entering `layer_id`, one row per token."""
+    tokens = torch.tensor(token_ids, dtype=torch.float32)[:, None]
+    return tokens * 1000 + layer_id * 10 + torch.arange(HIDDEN_SIZE)
+
+
+def final_rows(token_ids: Sequence[int]) -> torch.Tensor:
+    """The stand-in model's final normed hidden states."""
+    return -layer_rows(token_ids, 0)
+
+
+def start_dumper(dump_dir, layer_ids: List[int]) -> HiddenStatesDumper:
+    metadata = file_metadata(layer_ids, NUM_LAYERS, model_path="/models/stand-in")
+    return HiddenStatesDumper(str(dump_dir), layer_ids, is_writer=True, metadata=metadata)
+
+
+# One request of a forward: what it dumps (None: not dumped), the token ids of its rows
+# in this forward, and how many of its tokens earlier forwards prefilled.
+Extend = Tuple[Optional[DumpRequest], Sequence[int], int]
+
+
+def run_forward(dumper: HiddenStatesDumper, batch: List[Extend]) -> None:
+    """One extend forward of the stand-in model, handed to the dumper as the model
+    does: aux hidden states in ascending layer order."""
+    token_ids = [token for _, tokens, _ in batch for token in tokens]
+    forward_batch = SimpleNamespace(
+        hidden_states_dump_requests=[request for request, _, _ in batch],
+        extend_prefix_lens_cpu=[prefix_len for _, _, prefix_len in batch],
+        extend_seq_lens_cpu=[len(tokens) for _, tokens, _ in batch],
+        input_ids=torch.tensor(token_ids, dtype=torch.int32),
+    )
+    aux = [layer_rows(token_ids, layer_id) for layer_id in sorted(dumper.layer_ids)]
+    dumper.capture(forward_batch, final_rows(token_ids), aux)
+
+
+def run_decode(dumper: HiddenStatesDumper, token_ids: Sequence[int]) -> None:
+    """A decode forward: the scheduler attaches no dump requests to it."""
+    forward_batch = SimpleNamespace(
+        hidden_states_dump_requests=None,
+        extend_prefix_lens_cpu=None,
+        extend_seq_lens_cpu=None,
+        input_ids=torch.tensor(token_ids, dtype=torch.int32),
+    )
+    aux = [layer_rows(token_ids, layer_id) for layer_id in sorted(dumper.layer_ids)]
+    dumper.capture(forward_batch, final_rows(token_ids), aux)
+
+
+def stats(dumper: HiddenStatesDumper) -> Dict[str, int]:
+    return asdict(dumper.counters())
+
+
+def wait_for_manifest(dump_dir, rids, timeout=WAIT_TIMEOUT_S) -> List[dict]:
+    """Poll the manifest until it names every rid in `rids`; on each poll, check that
+    every line names a complete file."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = read_manifest(str(dump_dir))
+        for line in lines:
+            load_dump(os.path.join(dump_dir, line["file"]))
+        if set(rids) <= {line["rid"] for line in lines}:
+            return lines
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"after {timeout}s the manifest names {[line['rid'] for line in lines]}, "
+                f"not all of {list(rids)}"
+            )
+        time.sleep(0.01)
+
+
+_sentinel_token = iter(range(900_000, 1_000_000))
+
+
+def wait_for_writer(dumper: HiddenStatesDumper, dump_dir) -> List[dict]:
+    """Everything submitted so far is on disk or failed: manifest lines follow the
+    submission order, so once a request dumped now appears, earlier ones are done.
+    Returns the manifest without that request."""
+    token = next(_sentinel_token)
+    rid = f"sentinel-{token}"
+    run_forward(dumper, [(DumpRequest(rid, 1), [token], 0)])
+    lines = wait_for_manifest(dump_dir, [rid])
+    return [line for line in lines if not line["rid"].startswith("sentinel-")]
+
+
+def assert_dumped(dump_dir, line, token_ids, layer_ids) -> None:
+    """The file of manifest line `line` holds exactly the prompt `token_ids`."""
+    record = load_dump(os.path.join(dump_dir, line["file"]))
+    expected_layers = torch.stack(
+        [layer_rows(token_ids, layer_id) for layer_id in layer_ids], dim=1
+    )
+    assert record.token_ids.dtype == torch.int64
+    assert record.token_ids.tolist() == list(token_ids)
+    assert torch.equal(record.hidden_states, expected_layers)
+    assert torch.equal(record.last_hidden_state, final_rows(token_ids))
+    assert record.layer_ids == layer_ids
+    assert record.metadata["rid"] == line["rid"]
+    assert line["num_tokens"] == len(token_ids)
+    assert line["layers"] == layer_ids
+    assert line["hidden_size"] == HIDDEN_SIZE
+    assert line["dtype"] == "float32"
+
+
+def assert_dir_holds_exactly(dump_dir, lines) -> None:
+    """The dump directory holds the manifest and the files it names, nothing else (no
+    temporary files)."""
+    expected = [hidden_states_dump.MANIFEST_NAME] + [line["file"] for line in lines]
+    assert sorted(os.listdir(dump_dir)) == sorted(expected)
+    assert all(FILE_NAME.match(line["file"]) for line in lines)
+
+
+def prompt(first_token: int, length: int) -> List[int]:
+    return list(range(first_token, first_token + length))
+
+
+def wait_for_stats(dumper, done, timeout=WAIT_TIMEOUT_S) -> Dict[str, int]:
+    """Poll the dumper's counters until `done(counters)` holds."""
+    deadline = time.monotonic() + timeout
+    while not done(stats(dumper)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {timeout}s: {dumper.counters()}")
+        time.sleep(0.01)
+    return stats(dumper)
+
+
+def submit_many(dumper, count) -> List[str]:
+    rids = [f"r{i}" for i in range(count)]
+    for i, rid in enumerate(rids):
+        run_forward(dumper, [(DumpRequest(rid, 64), prompt(1000 + 100 * i, 64), 0)])
+    return rids
+
+
+def manifest_lines_strictly(dump_dir) -> List[dict]:
+    """Every line of the manifest, each required to be whole JSON ending in a newline
+    (stricter than read_manifest, which tolerates a torn last line)."""
+    data = (dump_dir / hidden_states_dump.MANIFEST_NAME).read_bytes()
+    assert data.endswith(b"\n")
+    return [json.loads(line) for line in data.splitlines()]

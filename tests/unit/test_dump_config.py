@@ -1,0 +1,226 @@
+"""The dump module's configuration: layer ids, which requests are dumped, the dump
+directory, and the server configurations it refuses."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.managers.hidden_states_dump import (
+    DumpRequest,
+    check_dump_dir,
+    check_server_args,
+    default_layer_ids,
+    parse_layer_ids,
+    requests_to_dump,
+    wants_dump,
+)
+from sglang.srt.sampling.sampling_params import SamplingParams
+from tests.unit.conftest import RELEASE
+
+
+# --- parse_layer_ids ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, num_layers, expected",
+    [
+        ("3,0,2", 4, [3, 0, 2]),
+        ("0,4", 4, [0, 4]),
+        ("60", 61, [60]),
+        ("61,0", 61, [61, 0]),
+        (" 1 , 2 ", 4, [1, 2]),
+    ],
+)
+def test_parse_layer_ids_keeps_the_given_order(spec, num_layers, expected):
+    assert parse_layer_ids(spec, num_layers) == expected
+
+
+def test_parse_layer_ids_unset_gives_the_default():
+    assert parse_layer_ids(None, 61) == [3, 31, 59]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "5",  # beyond L
+        "0,62",
+        "-1",
+        "1,2,1",  # duplicate
+        "3,3",
+        "",  # empty
+        "   ",
+        "a",  # not integers
+        "1.5",
+        "1,,2",
+        "1;2",
+        "[1, 2]",
+    ],
+)
+def test_parse_layer_ids_refuses_with_the_valid_range(spec):
+    num_layers = 61 if "62" in spec else 4
+    with pytest.raises(ValueError) as error:
+        parse_layer_ids(spec, num_layers)
+    message = str(error.value)
+    assert f"L={num_layers}" in message
+    assert f"0..{num_layers}" in message
+
+
+# --- default_layer_ids -------------------------------------------------------------
+
+
+def test_default_layer_ids_are_eagle3s():
+    assert default_layer_ids(61) == [3, 31, 59]
+
+
+@pytest.mark.parametrize("num_layers", range(1, 9))
+def test_default_layer_ids_of_shallow_models_are_valid(num_layers):
+    ids = default_layer_ids(num_layers)
+
+    assert ids == sorted(set(ids))
+    assert all(0 <= i <= num_layers for i in ids)
+    assert parse_layer_ids(",".join(map(str, ids)), num_layers) == ids
+
+
+# --- wants_dump / requests_to_dump -------------------------------------------------
+
+
+def make_req(rid, prompt=(1, 2, 3), output_ids=()):
+    # Imported here, not at the top: schedule_batch takes seconds to import, which the
+    # child process of the full-disk test would pay for nothing.
+    from sglang.srt.managers.schedule_batch import Req
+
+    req = Req(rid, "", list(prompt), SamplingParams(max_new_tokens=4))
+    req.output_ids.extend(output_ids)
+    return req
+
+
+@pytest.mark.parametrize(
+    "rid, output_ids, dumped",
+    [
+        ("client-1", (), True),
+        ("WARMUP_1700000000.0", (), False),
+        ("HEALTH_CHECK_1700000000", (), False),
+        ("HEALTH_CHECK", (), False),
+        ("x-WARMUP_1", (), True),  # only a prefix marks the server's own requests
+        ("warmup_1", (), True),
+        # A retracted request prefills again, with the tokens it had generated.
+        ("client-2", (7, 8), False),
+    ],
+)
+def test_wants_dump(rid, output_ids, dumped):
+    assert wants_dump(make_req(rid, output_ids=output_ids)) is dumped
+
+
+def test_an_aborted_request_is_not_dumped():
+    # An abort takes effect only after the prefill it arrived during.
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    req = make_req("client-1")
+    req.to_finish = FINISH_ABORT("client went away")
+
+    assert not wants_dump(req)
+
+
+def test_a_finished_request_is_not_dumped():
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    req = make_req("client-1")
+    req.finished_reason = FINISH_LENGTH(length=0)
+
+    assert not wants_dump(req)
+
+
+def test_requests_to_dump_follows_the_batch_order():
+    reqs = [
+        make_req("a", prompt=(1, 2, 3, 4)),
+        make_req("WARMUP_1"),
+        make_req("b", prompt=(5,)),
+        make_req("c", output_ids=(9,)),
+        make_req("HEALTH_CHECK_2"),
+    ]
+
+    assert requests_to_dump(reqs) == [
+        DumpRequest("a", 4),
+        None,
+        DumpRequest("b", 1),
+        None,
+        None,
+    ]
+
+
+# --- check_dump_dir / check_server_args --------------------------------------------
+
+
+def test_check_dump_dir_creates_a_missing_directory(tmp_path):
+    dump_dir = tmp_path / "a" / "b"
+    check_dump_dir(str(dump_dir))
+
+    assert dump_dir.is_dir()
+    assert list(dump_dir.iterdir()) == []
+
+
+def test_check_dump_dir_refuses_a_path_below_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a writable directory"):
+        check_dump_dir(str(tmp_path / "file" / "dump"))
+
+
+def test_check_dump_dir_refuses_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a writable directory"):
+        check_dump_dir(str(tmp_path / "file"))
+
+
+def test_check_dump_dir_refuses_a_path_no_one_can_create():
+    # procfs refuses new directories, also to root.
+    with pytest.raises(ValueError, match="not a writable directory"):
+        check_dump_dir("/proc/hidden-states-dump")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+def test_check_dump_dir_refuses_a_read_only_directory(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match="not a writable directory"):
+            check_dump_dir(str(tmp_path))
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def server_args(**overrides):
+    plain = dict(
+        pp_size=1,
+        speculative_algorithm=None,
+        enable_two_batch_overlap=False,
+        enable_piecewise_cuda_graph=False,
+    )
+    return SimpleNamespace(**{**plain, **overrides})
+
+
+def test_check_server_args_accepts_a_plain_config():
+    check_server_args(server_args())
+    check_server_args(server_args(tp_size=8, dp_size=2, enable_dp_attention=True))
+
+
+# 0.5.9's piecewise CUDA graph replays prefills without the dump hook, so it is refused;
+# 0.5.14 has no such flag: its prefill graphs decline batches with dumped requests.
+REFUSALS = [
+    (dict(pp_size=2), "--pp-size"),
+    (dict(speculative_algorithm="EAGLE3"), "speculative decoding"),
+    (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
+] + ([(dict(enable_piecewise_cuda_graph=True), "--enable-piecewise-cuda-graph")] if RELEASE < (0, 5, 14) else [])
+
+
+@pytest.mark.parametrize("overrides, named", REFUSALS)
+def test_check_server_args_refuses(overrides, named):
+    with pytest.raises(ValueError, match="SGLANG_HS_DUMP_DIR") as error:
+        check_server_args(server_args(**overrides))
+    assert named in str(error.value)
+
+
+def test_check_server_args_names_every_refusal():
+    with pytest.raises(ValueError) as error:
+        check_server_args(server_args(**{k: v for overrides, _ in REFUSALS for k, v in overrides.items()}))
+    for _, named in REFUSALS:
+        assert named in str(error.value)

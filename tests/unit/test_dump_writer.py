@@ -1,0 +1,156 @@
+"""The writer: file names that never come from request ids, threads writing side by side
+with the manifest kept in submission order, a full queue, and what a write failure costs."""
+
+import os
+import time
+
+from sglang.srt.managers import hidden_states_dump
+from sglang.srt.managers.hidden_states_dump import DumpRequest, read_manifest
+from tests.unit.dump_standins import (
+    WAIT_TIMEOUT_S,
+    assert_dir_holds_exactly,
+    assert_dumped,
+    prompt,
+    run_forward,
+    start_dumper,
+    stats,
+    submit_many,
+    wait_for_manifest,
+    wait_for_stats,
+)
+
+
+HOSTILE_RIDS = [
+    "../../x",
+    "../escaped.safetensors",
+    "/abs/path",
+    "/tmp",
+    "a/b\\c",
+    ".",
+    "..",
+    "",
+    " ",
+    "manifest.jsonl",
+    hidden_states_dump.TEMP_PREFIX + "x",
+    "r" * 10_240,
+    "nul\x00byte",
+    "new\nline\r\t",
+    'quote"{}[],',
+    "ünïcødé-请求-🚀-\u202eRTL",
+]
+
+
+def test_hostile_rids_stay_data(tmp_path):
+    dump_dir = tmp_path / "a" / "b" / "dump"
+    dump_dir.mkdir(parents=True)
+    assert not os.path.lexists("/abs/path")
+    dumper = start_dumper(dump_dir, [1, 2])
+    prompts = {rid: prompt(1000 + 10 * i, 3) for i, rid in enumerate(HOSTILE_RIDS)}
+
+    run_forward(dumper, [(DumpRequest(rid, 3), prompts[rid], 0) for rid in HOSTILE_RIDS[:8]])
+    for rid in HOSTILE_RIDS[8:]:
+        run_forward(dumper, [(DumpRequest(rid, 3), prompts[rid][:2], 0)])
+        run_forward(dumper, [(DumpRequest(rid, 3), prompts[rid][2:], 2)])
+    lines = wait_for_manifest(dump_dir, HOSTILE_RIDS)
+
+    assert sorted(line["rid"] for line in lines) == sorted(HOSTILE_RIDS)
+    for line in lines:
+        assert_dumped(dump_dir, line, prompts[line["rid"]], [1, 2])
+    assert_dir_holds_exactly(dump_dir, lines)
+    written = [
+        os.path.join(root, name) for root, _, names in os.walk(tmp_path) for name in names
+    ]
+    assert all(os.path.dirname(path) == str(dump_dir) for path in written)
+    assert not os.path.lexists("/abs/path")
+    assert stats(dumper)["errors"] == 0
+
+
+def test_a_rid_that_cannot_be_encoded_costs_only_its_own_file(dump_dir):
+    # A lone surrogate survives json.loads of an HTTP body but has no UTF-8 form, so
+    # safetensors cannot store it: that write fails, the writer goes on.
+    dumper = start_dumper(dump_dir, [1])
+
+    run_forward(dumper, [(DumpRequest("lone-\ud800", 2), prompt(100, 2), 0)])
+    run_forward(dumper, [(DumpRequest("next", 2), prompt(200, 2), 0)])
+    lines = wait_for_manifest(dump_dir, ["next"])
+
+    assert [line["rid"] for line in lines] == ["next"]
+    assert stats(dumper)["errors"] == 1
+    assert_dir_holds_exactly(dump_dir, lines)
+
+
+def test_writer_threads_write_files_side_by_side_and_keep_the_manifest_in_order(dump_dir, monkeypatch):
+    # The first request's fsync waits until three later files are fsynced: only parallel
+    # writers get there. None of them is renamed or listed before the first.
+    monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "4")
+    fsync = os.fsync
+    later_files_synced = []
+    seen_while_first_held = []
+
+    def fsync_after_three_others(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        dump_file = name.startswith(hidden_states_dump.TEMP_PREFIX)
+        first = dump_file and name.endswith("-000000001.safetensors")
+        if first:
+            deadline = time.monotonic() + WAIT_TIMEOUT_S
+            while len(later_files_synced) < 3:
+                assert time.monotonic() < deadline, "no other writer got a file to disk"
+                time.sleep(0.01)
+            seen_while_first_held.append(sorted(os.listdir(dump_dir)))
+        fsync(fd)
+        if dump_file and not first:
+            later_files_synced.append(name)
+
+    monkeypatch.setattr(os, "fsync", fsync_after_three_others)
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
+
+    rids = submit_many(dumper, 12)
+    lines = wait_for_manifest(dump_dir, rids)
+
+    # Four temporary files on disk, no final file and no manifest yet.
+    [seen] = seen_while_first_held
+    assert len(seen) == 4 and all(n.startswith(hidden_states_dump.TEMP_PREFIX) for n in seen)
+    assert [line["rid"] for line in lines] == rids
+    for i, line in enumerate(lines):
+        assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [0, 1, 2, 3, 4])
+    assert_dir_holds_exactly(dump_dir, lines)
+
+
+def test_a_full_queue_blocks_by_default_and_loses_nothing(dump_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_HS_DUMP_QUEUE_SIZE", "1")
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
+
+    rids = submit_many(dumper, 30)
+    lines = wait_for_manifest(dump_dir, rids)
+
+    assert [line["rid"] for line in lines] == rids
+    assert stats(dumper)["dropped"] == 0
+
+
+def test_a_full_queue_in_drop_mode_drops_whole_requests(dump_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_HS_DUMP_QUEUE_SIZE", "1")
+    monkeypatch.setenv("SGLANG_HS_DUMP_ON_FULL_QUEUE", "drop")
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
+
+    rids = submit_many(dumper, 100)
+    counters = wait_for_stats(dumper, lambda c: c["files"] + c["dropped"] == 100)
+    lines = read_manifest(str(dump_dir))
+
+    # However many were dropped, each request is either whole on disk or counted.
+    assert len(lines) == counters["files"]
+    for line in lines:
+        i = rids.index(line["rid"])
+        assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [0, 1, 2, 3, 4])
+    assert_dir_holds_exactly(dump_dir, lines)
+
+
+def test_stale_temporary_files_are_removed_at_start(dump_dir):
+    stale_name = "20260101T000000-00000000-000000001.safetensors"
+    stale = dump_dir / (hidden_states_dump.TEMP_PREFIX + stale_name)
+    stale.write_bytes(b"half a file")
+    kept = dump_dir / "notes.txt"
+    kept.write_text("not ours")
+
+    start_dumper(dump_dir, [1])
+
+    assert sorted(os.listdir(dump_dir)) == ["notes.txt"]
