@@ -74,6 +74,12 @@ class Server:
         self.env = env
         self.process: Optional[subprocess.Popen] = None
 
+    @property
+    def dump_dir(self) -> Optional[Path]:
+        """Where this server dumps (SGLANG_HS_DUMP_DIR in its environment), if it does."""
+        value = self.env.get("SGLANG_HS_DUMP_DIR")
+        return Path(value) if value else None
+
     def start(self) -> "Server":
         self.log_file = open(self.log_path, "w")
         self.process = subprocess.Popen(self.args, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT,

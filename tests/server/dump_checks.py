@@ -24,15 +24,16 @@ FIRST_PROMPT_TOKEN = 4
 ROW_TOLERANCE = 0.0 if not has_gpu() else 1e-2
 
 
-def oracle_server(model, tmp_path, num_layers: int, extra_args: Sequence[str] = (), **env) -> Server:
+class OracleServer(Server):
     """A server (not started) that dumps into tmp_path/dump while the oracle's hooks record
-    into tmp_path/oracle; the folders are its dump_dir and oracle_dir."""
-    dump_dir, oracle_dir = tmp_path / "dump", tmp_path / "oracle"
-    oracle_dir.mkdir()
-    server = Server(model, tmp_path / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), **env),
-                    [*extra_args, "--forward-hooks", oracle_hooks.hook_specs(oracle_dir, num_layers)])
-    server.dump_dir, server.oracle_dir = dump_dir, oracle_dir
-    return server
+    into tmp_path/oracle, its oracle_dir."""
+
+    def __init__(self, model, tmp_path, num_layers: int, extra_args: Sequence[str] = (), **env):
+        self.oracle_dir = tmp_path / "oracle"
+        self.oracle_dir.mkdir()
+        super().__init__(model, tmp_path / "server.log",
+                         runtime_env(SGLANG_HS_DUMP_DIR=str(tmp_path / "dump"), **env),
+                         [*extra_args, "--forward-hooks", oracle_hooks.hook_specs(self.oracle_dir, num_layers)])
 
 
 def random_prompts(lengths: Sequence[int], seed: int) -> List[List[int]]:

@@ -7,7 +7,7 @@ import time
 from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
 from tests.server.dump_checks import (
-    OUTPUT_TOKEN, assert_matches_oracle, generate_body, oracle_server, post_all, random_prompts)
+    OUTPUT_TOKEN, assert_matches_oracle, generate_body, OracleServer, post_all, random_prompts)
 from scripts.dumps.server import wait_for_manifest
 
 NUM_REQUESTS = 96
@@ -18,7 +18,7 @@ def test_concurrent_requests_each_equal_the_oracle(model_l3, tmp_path):
     rng = random.Random(0)
     prompts = random_prompts([rng.randint(1, 500) for _ in range(NUM_REQUESTS)], seed=1)
     bodies = [generate_body(p, f"batch-{i}", max_new_tokens=rng.randint(1, 16)) for i, p in enumerate(prompts)]
-    server = oracle_server(model_l3, tmp_path, NUM_LAYERS, ["--enable-mixed-chunk"])
+    server = OracleServer(model_l3, tmp_path, NUM_LAYERS, ["--enable-mixed-chunk"])
     dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
     with server:
         server.wait_ready()

@@ -15,7 +15,7 @@ import pytest
 from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
 from tests.server import oracle_hooks
 from tests.server.dump_checks import (
-    assert_matches_oracle, dump_stats, generate_body, oracle_server, post_all, random_prompts, wait_until)
+    assert_matches_oracle, dump_stats, generate_body, OracleServer, post_all, random_prompts, wait_until)
 from scripts.dumps.server import wait_for_manifest
 
 CHUNK = 64
@@ -29,7 +29,7 @@ LONG_PROMPT = 1024
 def server(model_l3, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("chunked")
     # The tokenizer manager checks for a gone client at this interval in seconds (default 4).
-    server = oracle_server(model_l3, tmp_path, NUM_LAYERS, ["--chunked-prefill-size", str(CHUNK)],
+    server = OracleServer(model_l3, tmp_path, NUM_LAYERS, ["--chunked-prefill-size", str(CHUNK)],
                            SGLANG_REQUEST_STATE_WAIT_TIMEOUT="1")
     with server:
         server.wait_ready()

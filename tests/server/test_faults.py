@@ -107,12 +107,15 @@ def test_full_disk(model_l3, tmp_path, small_disk):
 
 
 @pytest.fixture(scope="module")
-def server(model_l3, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("faults")
-    dump_dir = tmp_path / "deep" / "er" / "dump"
-    with Server(model_l3, tmp_path / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir))) as server:
+def fault_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def server(model_l3, fault_dir):
+    dump_dir = fault_dir / "deep" / "er" / "dump"
+    with Server(model_l3, fault_dir / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir))) as server:
         server.wait_ready()
-        server.dump_dir, server.tmp_path = dump_dir, tmp_path
         yield server
 
 
@@ -153,14 +156,14 @@ def test_directory_replaced_by_a_file(server):
     assert_consistent(server.dump_dir)
 
 
-def test_hostile_request_ids(server):
+def test_hostile_request_ids(server, fault_dir):
     outside = Path("/tmp") / f"hs-dump-hostile-{uuid.uuid4().hex}"
     hostile = [
         "../../x", "../../../../../../../../tmp/x-" + outside.name, str(outside / "abs"), "a/b/c", "a" * 10240,
         "nul\0byte", "ünï/çødé ✓ 🚀 日本語", "line\nbreak", TEMP_PREFIX + "evil", MANIFEST_NAME, ".", "",
     ]
     before = len(rids(server.dump_dir))
-    tree_before = sorted(str(p) for p in server.tmp_path.rglob("*") if server.dump_dir not in p.parents)
+    tree_before = sorted(str(p) for p in fault_dir.rglob("*") if server.dump_dir not in p.parents)
     prompts = random_prompts([20] * len(hostile), seed=14)
     serve(server, list(zip(hostile, prompts)))
     manifest = wait_for_manifest(server.dump_dir, before + len(hostile))[before:]
@@ -169,7 +172,7 @@ def test_hostile_request_ids(server):
     assert_consistent(server.dump_dir)
     assert sorted(p.name for p in server.dump_dir.iterdir() if p.name != MANIFEST_NAME) == \
         sorted(e["file"] for e in read_manifest(str(server.dump_dir)))
-    assert sorted(str(p) for p in server.tmp_path.rglob("*") if server.dump_dir not in p.parents) == tree_before
+    assert sorted(str(p) for p in fault_dir.rglob("*") if server.dump_dir not in p.parents) == tree_before
     assert not outside.exists() and not (Path("/tmp") / ("x-" + outside.name)).exists()
 
     # Not Unicode text (a lone surrogate): SGLang itself cannot answer it (500), and the

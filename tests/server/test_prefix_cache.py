@@ -10,7 +10,7 @@ import pytest
 from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
 from tests.server import oracle_hooks
 from tests.server.dump_checks import (
-    FIRST_PROMPT_TOKEN, VOCAB_SIZE, assert_matches_oracle, generate_body, oracle_server, post_all)
+    FIRST_PROMPT_TOKEN, VOCAB_SIZE, assert_matches_oracle, generate_body, OracleServer, post_all)
 from scripts.dumps.server import wait_for_manifest
 
 NUM_LAYERS = 3
@@ -19,7 +19,7 @@ NUM_LAYERS = 3
 @pytest.fixture(scope="module")
 def server(model_l3, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("prefix")
-    server = oracle_server(model_l3, tmp_path, NUM_LAYERS)
+    server = OracleServer(model_l3, tmp_path, NUM_LAYERS)
     with server:
         server.wait_ready()
         yield server

@@ -6,7 +6,7 @@ import random
 
 from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
-from tests.server.dump_checks import assert_matches_oracle, generate_body, oracle_server, post_all, random_prompts
+from tests.server.dump_checks import assert_matches_oracle, generate_body, OracleServer, post_all, random_prompts
 from scripts.dumps.server import wait_for_manifest
 
 NUM_REQUESTS = 24
@@ -17,7 +17,7 @@ def test_retracted_requests_are_dumped_once(model_l3, tmp_path):
     rng = random.Random(19)
     prompts = random_prompts([rng.randint(100, 200) for _ in range(NUM_REQUESTS)], seed=20)
     bodies = [generate_body(p, f"retract-{i}", max_new_tokens=300) for i, p in enumerate(prompts)]
-    server = oracle_server(model_l3, tmp_path, NUM_LAYERS, ["--max-total-tokens", "2048"])
+    server = OracleServer(model_l3, tmp_path, NUM_LAYERS, ["--max-total-tokens", "2048"])
     dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
     with server:
         server.wait_ready()

@@ -17,7 +17,7 @@ import torch
 
 from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
-from tests.server.dump_checks import oracle_server
+from tests.server.dump_checks import OracleServer
 from scripts.paths import REPO_ROOT
 from scripts.dumps.server import Server, ServerFailed, runtime_env, wait_for_manifest
 
@@ -36,7 +36,7 @@ def eagle3_default_layers(num_layers: int):
 def run_one_prefill(model: Path, tmp_path: Path, num_layers: int, layers_env, prompt_len: int):
     layers = {} if layers_env is None else {"SGLANG_HS_DUMP_LAYERS": layers_env}
     prompt = random.Random(prompt_len).sample(range(5, 1000), prompt_len)
-    server = oracle_server(model, tmp_path, num_layers, **layers)
+    server = OracleServer(model, tmp_path, num_layers, **layers)
     dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
     with server:
         server.wait_ready()

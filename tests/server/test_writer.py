@@ -16,9 +16,7 @@ def stalled_server(model, tmp_path, on_full):
     gate.touch()
     env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_HS_DUMP_QUEUE_SIZE="1",
                       SGLANG_HS_DUMP_WRITER_THREADS="1", SGLANG_HS_DUMP_ON_FULL_QUEUE=on_full)
-    server = Server(model, tmp_path / "server.log", env, ["--forward-hooks", stall_writer_spec(gate)])
-    server.dump_dir, server.gate = dump_dir, gate
-    return server
+    return Server(model, tmp_path / "server.log", env, ["--forward-hooks", stall_writer_spec(gate)])
 
 
 def test_drop_policy_never_waits_and_counts_every_drop(model_l3, tmp_path):
@@ -26,7 +24,7 @@ def test_drop_policy_never_waits_and_counts_every_drop(model_l3, tmp_path):
     with stalled_server(model_l3, tmp_path, "drop") as server:
         server.wait_ready()
         server.post("/generate", generate_body(prompts[0], "drop-0", 2))
-        wait_until(lambda: server.gate.with_name("gate.holding").exists(), 30, "the writer to hold the first job")
+        wait_until(lambda: (tmp_path / "gate.holding").exists(), 30, "the writer to hold the first job")
         start = time.monotonic()
         for i, prompt in enumerate(prompts[1:], start=1):  # one at a time: one job per forward
             server.post("/generate", generate_body(prompt, f"drop-{i}", 2), timeout=60)
@@ -37,7 +35,7 @@ def test_drop_policy_never_waits_and_counts_every_drop(model_l3, tmp_path):
         for i in range(2, 8):
             assert f"hidden states dump: queue full, dropped request 'drop-{i}'" in log
 
-        server.gate.unlink()
+        (tmp_path / "gate").unlink()
         wait_for_manifest(server.dump_dir, 2)
         time.sleep(1)
         assert [e["rid"] for e in read_manifest(str(server.dump_dir))] == ["drop-0", "drop-1"]
@@ -49,14 +47,14 @@ def test_block_policy_makes_serving_wait_and_loses_nothing(model_l3, tmp_path):
     with stalled_server(model_l3, tmp_path, "block") as server:
         server.wait_ready()
         server.post("/generate", generate_body(prompts[0], "block-0", 2))
-        wait_until(lambda: server.gate.with_name("gate.holding").exists(), 30, "the writer to hold the first job")
+        wait_until(lambda: (tmp_path / "gate.holding").exists(), 30, "the writer to hold the first job")
         server.post("/generate", generate_body(prompts[1], "block-1", 2), timeout=60)  # queued
         third = threading.Thread(target=server.post, args=("/generate", generate_body(prompts[2], "block-2", 2)))
         third.start()
         third.join(5)
         assert third.is_alive(), "the scheduler went on although the queue was full"
 
-        server.gate.unlink()
+        (tmp_path / "gate").unlink()
         third.join(60)
         assert not third.is_alive()
         manifest = wait_for_manifest(server.dump_dir, 3)
