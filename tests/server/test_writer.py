@@ -19,12 +19,17 @@ def stalled_server(model, tmp_path, on_full):
     return Server(model, tmp_path / "server.log", env, ["--forward-hooks", stall_writer_spec(gate)])
 
 
+def hold_the_writer(server, tmp_path, prompt, rid) -> None:
+    """Start the server and dump one request, which the stalled writer takes and holds."""
+    server.wait_ready()
+    server.post("/generate", generate_body(prompt, rid, 2))
+    wait_until(lambda: (tmp_path / "gate.holding").exists(), 30, "the writer to hold the first job")
+
+
 def test_drop_policy_never_waits_and_counts_every_drop(model_l3, tmp_path):
     prompts = random_prompts([50] * 8, seed=8)
     with stalled_server(model_l3, tmp_path, "drop") as server:
-        server.wait_ready()
-        server.post("/generate", generate_body(prompts[0], "drop-0", 2))
-        wait_until(lambda: (tmp_path / "gate.holding").exists(), 30, "the writer to hold the first job")
+        hold_the_writer(server, tmp_path, prompts[0], "drop-0")
         start = time.monotonic()
         for i, prompt in enumerate(prompts[1:], start=1):  # one at a time: one job per forward
             server.post("/generate", generate_body(prompt, f"drop-{i}", 2), timeout=60)
@@ -45,9 +50,7 @@ def test_drop_policy_never_waits_and_counts_every_drop(model_l3, tmp_path):
 def test_block_policy_makes_serving_wait_and_loses_nothing(model_l3, tmp_path):
     prompts = random_prompts([50] * 3, seed=9)
     with stalled_server(model_l3, tmp_path, "block") as server:
-        server.wait_ready()
-        server.post("/generate", generate_body(prompts[0], "block-0", 2))
-        wait_until(lambda: (tmp_path / "gate.holding").exists(), 30, "the writer to hold the first job")
+        hold_the_writer(server, tmp_path, prompts[0], "block-0")
         server.post("/generate", generate_body(prompts[1], "block-1", 2), timeout=60)  # queued
         third = threading.Thread(target=server.post, args=("/generate", generate_body(prompts[2], "block-2", 2)))
         third.start()
