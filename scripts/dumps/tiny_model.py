@@ -56,9 +56,14 @@ def model_name(layers: int, q_lora: bool, widths: str, hidden_size: Optional[int
 
 def ensure_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
                  hidden_size: Optional[int] = None, cache: Path = MODEL_CACHE) -> Path:
-    """The model folder, generated on first use."""
+    """The model folder, generated on first use, with the tiny tokenizer and its chat
+    template (DeepSeek-V3's, without generation markers)."""
+    from scripts.dumps.tiny_tokenizer import has_tokenizer, write_tokenizer
+
     path = cache / model_name(layers, q_lora, widths, hidden_size)
     if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        if not has_tokenizer(path):  # generated before models had a tokenizer
+            write_tokenizer(path)
         return path
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -102,6 +107,7 @@ def ensure_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
     saved.update(SGLANG_KEYS)
     saved["architectures"] = ["DeepseekV3ForCausalLM"]
     config_path.write_text(json.dumps(saved, indent=2))
+    write_tokenizer(staging)
     staging.rename(path)
     return path
 
