@@ -7,6 +7,10 @@ SGLANG_VERSION ?=
 SGLANG_DIR ?=
 ALLOW_UNLOCKED ?=
 PYTEST_ARGS ?=
+# make port: FROM (a locked release) and TO (the new one); PORT_PYTHON picks a wheel-only release's wheel.
+FROM ?=
+TO ?=
+PORT_PYTHON ?=
 
 VERSION := $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.toolchain.lock default))
 TOOLS_VENV := .venv/tools
@@ -22,7 +26,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches test test-tools test-warmup test-unit test-server test-release demo bench bench-writer clean
+.PHONY: help tools runtime apply verify revert refresh-patches port port-continue port-skip port-abort test test-tools test-warmup test-unit test-server test-release demo bench bench-writer clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -45,6 +49,18 @@ revert: tools ## restore the upstream bytes of every patched file
 
 refresh-patches: tools ## regenerate patches/v<version>/ from the pinned checkout's commits
 	$(TOOLS_PY) -m scripts.toolchain refresh-patches $(SCRIPT_ARGS)
+
+port: tools ## carry FROM's series to release TO (git three-way); adds TO to sglang.lock once every patch is in
+	$(TOOLS_PY) -m scripts.toolchain port --from "$(FROM)" --to "$(TO)" $(if $(PORT_PYTHON),--python $(PORT_PYTHON))
+
+port-continue: tools ## after resolving a port's conflict in .sglang/<TO>/ (git add), go on with the port
+	$(TOOLS_PY) -m scripts.toolchain port-continue $(if $(TO),--to $(TO))
+
+port-skip: tools ## drop the patch a port stopped at (upstream made it unnecessary) and go on
+	$(TOOLS_PY) -m scripts.toolchain port-skip $(if $(TO),--to $(TO))
+
+port-abort: tools ## give a port up: removes .sglang/<TO>/ (sglang.lock and patches/ were never changed)
+	$(TOOLS_PY) -m scripts.toolchain port-abort $(if $(TO),--to $(TO))
 
 $(RUNTIME_VENV)/.installed: requirements/runtime.txt
 	$$(scripts/toolchain/find-python $(RUNTIME_PYTHON_VERSION)) -m venv $(RUNTIME_VENV)

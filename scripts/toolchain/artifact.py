@@ -1,23 +1,35 @@
 """The locked upstream artifact: download it, check its sha256, unpack it."""
 
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
+from typing import List, Tuple
 
-from scripts.toolchain.errors import ToolError
-from scripts.toolchain.lock import Release, sha256_file
+from scripts.toolchain.errors import USAGE, ToolError
+from scripts.toolchain.lock import Artifact, Release, sha256_file
 
-# The 0.5.14 wheel contains a compiled module for CPython 3.12; pip must be told which
-# wheel to fetch, since this may run under another Python.
-WHEEL_SELECTORS = [
-    "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
-    "--abi", "cp312", "--abi", "abi3", "--abi", "none",
-    "--platform", "manylinux_2_34_x86_64", "--platform", "manylinux_2_28_x86_64",
-    "--platform", "manylinux2014_x86_64",
-    "--platform", "any",
-]
+
+# A wheel-only release ships compiled modules for one CPython (0.5.14: 3.12, 0.5.23: 3.11); pip
+# must be told which wheel to fetch, since this may run under another Python.
+def wheel_selectors(python: str) -> List[str]:
+    abi = "cp" + python.replace(".", "")
+    return [
+        "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
+        "--abi", abi, "--abi", "abi3", "--abi", "none",
+        "--platform", "manylinux_2_34_x86_64", "--platform", "manylinux_2_28_x86_64",
+        "--platform", "manylinux2014_x86_64",
+        "--platform", "any",
+    ]
+
+
+def _pip_download(version: str, selectors: List[str], dest: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest),
+           *selectors, f"sglang=={version}"]
+    return subprocess.run(cmd, capture_output=True, text=True)
 
 
 def fetch(release: Release, cache_dir: Path) -> Path:
@@ -26,10 +38,8 @@ def fetch(release: Release, cache_dir: Path) -> Path:
     path = cache_dir / artifact.filename
     if not path.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
-        selectors = ["--no-binary=:all:"] if artifact.kind == "sdist" else WHEEL_SELECTORS
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(cache_dir),
-               *selectors, f"sglang=={release.version}"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        selectors = ["--no-binary=:all:"] if artifact.kind == "sdist" else wheel_selectors(release.python)
+        result = _pip_download(release.version, selectors, cache_dir)
         if result.returncode != 0 or not path.exists():
             raise ToolError(
                 f"could not download {artifact.filename} with pip:\n{result.stderr.strip()[-2000:]}"
@@ -42,6 +52,27 @@ def fetch(release: Release, cache_dir: Path) -> Path:
             f"broken download."
         )
     return path
+
+
+def discover(version: str, python: str, cache_dir: Path) -> Tuple[Path, Artifact]:
+    """Download a release not locked yet, its sdist if it has one, else its wheel for CPython
+    `python`, into cache_dir; returns the file and the artifact to lock for it."""
+    errors = []
+    for kind, selectors in (("sdist", ["--no-binary=:all:"]), ("wheel", wheel_selectors(python))):
+        with tempfile.TemporaryDirectory(prefix="sglang-download-") as staging:
+            result = _pip_download(version, selectors, Path(staging))
+            found = sorted(Path(staging).iterdir())
+            if result.returncode == 0 and len(found) == 1:
+                cache_dir.mkdir(parents=True, exist_ok=True)
+                path = Path(shutil.move(found[0], cache_dir / found[0].name))
+                return path, Artifact(filename=path.name, sha256=sha256_file(path), kind=kind)
+            said = result.stderr.strip().splitlines()
+            errors.append(f"{kind}: {said[-1] if said else 'nothing downloaded'}")
+    raise ToolError(
+        f"sglang {version} was not found on the package index (neither an sdist nor a wheel "
+        f"for CPython {python}); check the version. What pip said:\n  " + "\n  ".join(errors),
+        USAGE,
+    )
 
 
 def unpack(path: Path, dest: Path, kind: str) -> None:

@@ -1,4 +1,6 @@
-"""Command line: python -m scripts.toolchain {verify,apply,revert,refresh-patches} [--version V] [--dir D] [--lock L].
+"""Command line: python -m scripts.toolchain {verify,apply,revert,refresh-patches} [--version V] [--dir D] [--lock L]
+                python -m scripts.toolchain port --from V --to W [--python X.Y]
+                python -m scripts.toolchain {port-continue,port-skip,port-abort} [--to W]
 
 Exit codes: 0 clean or done, 1 drift / half-applied / refused, 2 usage error.
 """
@@ -7,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from scripts.toolchain import operations
+from scripts.toolchain import operations, port
 from scripts.toolchain.errors import USAGE, ToolError
 from scripts.toolchain.hunks import DRIFT
 from scripts.toolchain.inspection import Inspection, half_applied_advice
@@ -56,7 +58,8 @@ def verified(inspection: Inspection, allow_unlocked: bool) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.toolchain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["verify", "apply", "revert", "refresh-patches"])
+    parser.add_argument("command", choices=["verify", "apply", "revert", "refresh-patches",
+                                            "port", "port-continue", "port-skip", "port-abort"])
     parser.add_argument("--version", default=None, help="an SGLang release in sglang.lock (default: its default)")
     parser.add_argument("--dir", default=None, type=Path,
                         help="patch this tree (a git clone or a package root) instead of the pinned checkout")
@@ -64,6 +67,12 @@ def main(argv=None) -> int:
                         help="apply even when the tree's files differ from the locked release")
     parser.add_argument("--lock", default=LOCK_PATH, type=Path,
                         help="the lock file (default: sglang.lock); patches/ and .sglang/ lie next to it")
+    parser.add_argument("--from", dest="from_version", default=None,
+                        help="port: the locked release whose series is carried")
+    parser.add_argument("--to", dest="to_version", default=None,
+                        help="port: the new release (port-continue/-skip/-abort: the port in progress)")
+    parser.add_argument("--python", default=None,
+                        help=f"port: the CPython the new release runs on, which picks its wheel (default {port.DEFAULT_PYTHON})")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
@@ -75,7 +84,13 @@ def main(argv=None) -> int:
             inspection = operations.verify(version, args.dir, lock)
             print(format_inspection(inspection, args.allow_unlocked))
             return 0 if verified(inspection, args.allow_unlocked) else 1
-        if args.command == "apply":
+        if args.command == "port":
+            print(port.start(args.from_version, args.to_version, args.python, args.lock))
+        elif args.command in ("port-continue", "port-skip"):
+            print(port.resume(args.command.split("-", 1)[1], args.to_version or None, args.lock))
+        elif args.command == "port-abort":
+            print(port.abort(args.to_version or None, args.lock))
+        elif args.command == "apply":
             print(operations.apply(version, args.dir, args.allow_unlocked, lock))
         elif args.command == "revert":
             print(operations.revert(version, args.dir, lock))

@@ -1,6 +1,7 @@
 """sglang.lock: the upstream releases this project supports, parsed in one place."""
 
 import hashlib
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,35 @@ def load_lock(path: Path = LOCK_PATH) -> Lock:
         raise ToolError(f"{path} lacks a required key or has a wrong one: {e}", USAGE)
     lock.release(lock.default)
     return lock
+
+
+def render_release(release: Release) -> str:
+    """The TOML block that pins `release`, as it stands in sglang.lock."""
+    name = f'releases."{release.version}"'
+    artifact = release.artifact
+    lines = [
+        f"[{name}]", f'tag = "{release.tag}"', f'python = "{release.python}"', "",
+        f"[{name}.artifact]", f'filename = "{artifact.filename}"', f'sha256 = "{artifact.sha256}"',
+        f'kind = "{artifact.kind}"', "",
+        f"[{name}.files]", *(f'"{path}" = "{digest}"' for path, digest in sorted(release.files.items())),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def add_release(release: Release, path: Path = LOCK_PATH) -> None:
+    """Append `release` to the lock file in one atomic replace: readers see the old file or the new one."""
+    lock = load_lock(path)
+    if release.version in lock.releases:
+        raise ToolError(f"sglang {release.version} is already in {path.name}.", USAGE)
+    text = path.read_text().rstrip("\n") + "\n\n" + render_release(release)
+    tomllib.loads(text)  # the new lock parses before it replaces the old one
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.chmod(tmp, path.stat().st_mode & 0o7777)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv=None) -> None:
