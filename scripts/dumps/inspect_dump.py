@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
-from sglang.srt.managers.hidden_states_dump import MANIFEST_NAME, TEMP_PREFIX, load_dump, read_manifest
+from sglang.srt.managers.hidden_states_dump import MANIFEST_FILE, TEMP_PREFIX, load_dump, read_manifest
 
 
 @dataclass
@@ -68,7 +68,7 @@ def summarise(dump_dir: Path) -> Summary:
         summary.problems += check_entry(dump_dir, entry)
     summary.unlisted = sorted(
         p.name for p in dump_dir.iterdir()
-        if p.name not in listed and p.name != MANIFEST_NAME and not p.name.startswith(TEMP_PREFIX)
+        if p.name not in listed and not MANIFEST_FILE.match(p.name) and not p.name.startswith(TEMP_PREFIX)
     )
     return summary
 

@@ -173,11 +173,10 @@ class Server:
 
 
 def manifest_lines(dump_dir: Path) -> int:
-    """How many lines the dump's manifest has, without parsing them (cheap to poll)."""
-    from sglang.srt.managers.hidden_states_dump import MANIFEST_NAME
+    """How many lines the dump's manifests hold together, without parsing them (cheap to poll)."""
+    from sglang.srt.managers.hidden_states_dump import manifest_paths
 
-    path = Path(dump_dir) / MANIFEST_NAME
-    return path.read_bytes().count(b"\n") if path.exists() else 0
+    return sum(Path(path).read_bytes().count(b"\n") for path in manifest_paths(str(dump_dir)))
 
 
 def wait_for_manifest(dump_dir: Path, count: int, timeout: float = 60) -> List[dict]:

@@ -9,7 +9,7 @@ import git
 from scripts.toolchain.checkout import patch_commits
 from scripts.toolchain.errors import ToolError
 from scripts.toolchain.overlay import read_overlay, sync_checkout
-from scripts.toolchain.series import missing_header_fields, split_header
+from scripts.toolchain.series import header_fields, missing_header_fields, split_header
 from scripts.toolchain.tree import Tree
 
 
@@ -53,9 +53,11 @@ def refresh(tree: Tree, series_dir: Path, overlay_root: Optional[Path] = None) -
         name = f"{stem}.patch"
         path = series_dir / name
         if path.exists():
-            _, old_diff = split_header(path.read_text())
-            if old_diff != diff:
-                header = with_last_update(header, today)
+            old_header, old_diff = split_header(path.read_text())
+            # The commit message may carry an older date than the patch (a checkout built
+            # before the last refresh): an unchanged diff keeps the patch's own.
+            day = today if old_diff != diff else header_fields(old_header).get("Last-Update", today)
+            header = with_last_update(header, day)
         rendered[name] = render(header, diff)
     series_dir.mkdir(parents=True, exist_ok=True)
     for name, text in rendered.items():

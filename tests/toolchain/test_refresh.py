@@ -80,3 +80,11 @@ def test_refresh_patches_from_the_command_line(patched, release, cli):
     (release.series_dir / PATCH_NAMES[0]).unlink()
     assert cli("refresh-patches") == (0, "wrote 3 patches and the series file\n", "")
     assert (release.series_dir / PATCH_NAMES[0]).read_bytes() == (FIXTURE_SERIES / PATCH_NAMES[0]).read_bytes()
+
+
+def test_an_unchanged_diff_keeps_the_patchs_last_update_over_an_older_commit_message(patched, release):
+    repo = git.Repo(patched.root)
+    repo.git.commit("--quiet", "--amend", "-m", repo.head.commit.message.replace("Last-Update: 2025-06-04", "Last-Update: 2020-01-01"))
+    refresh(patched, release.series_dir)
+    for name in PATCH_NAMES:
+        assert (release.series_dir / name).read_bytes() == (FIXTURE_SERIES / name).read_bytes()

@@ -42,9 +42,9 @@ def final_rows(token_ids: Sequence[int]) -> torch.Tensor:
     return -layer_rows(token_ids, 0)
 
 
-def start_dumper(dump_dir, layer_ids: List[int]) -> HiddenStatesDumper:
+def start_dumper(dump_dir, layer_ids: List[int], dp_rank: int = 0) -> HiddenStatesDumper:
     metadata = file_metadata(layer_ids, NUM_LAYERS, model_path="/models/stand-in")
-    return HiddenStatesDumper(str(dump_dir), layer_ids, is_writer=True, metadata=metadata)
+    return HiddenStatesDumper(str(dump_dir), layer_ids, is_writer=True, metadata=metadata, dp_rank=dp_rank)
 
 
 # One request of a forward: what it dumps (None: not dumped), the token ids of its rows
@@ -132,10 +132,10 @@ def assert_dumped(dump_dir, line, token_ids, layer_ids) -> None:
     assert line["dtype"] == "float32"
 
 
-def assert_dir_holds_exactly(dump_dir, lines) -> None:
-    """The dump directory holds the manifest and the files it names, nothing else (no
+def assert_dir_holds_exactly(dump_dir, lines, manifests=(hidden_states_dump.MANIFEST_NAME,)) -> None:
+    """The dump directory holds the manifests and the files they name, nothing else (no
     temporary files)."""
-    expected = [hidden_states_dump.MANIFEST_NAME] + [line["file"] for line in lines]
+    expected = [*manifests] + [line["file"] for line in lines]
     assert sorted(os.listdir(dump_dir)) == sorted(expected)
     assert all(FILE_NAME.match(line["file"]) for line in lines)
 

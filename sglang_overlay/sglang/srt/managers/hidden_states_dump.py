@@ -11,9 +11,12 @@ holds
                        layer's output before the final norm)
     last_hidden_state  [T, H]: the final normed state the LM head reads
 
-and then one line is appended to <dir>/manifest.jsonl. A file is written under a
-temporary name and renamed once complete, and its manifest line follows the rename, so
-every manifest line names a complete file. File names never derive from request ids.
+and then one line is appended to the writer's manifest in <dir>: manifest.jsonl, or
+manifest-dp<k>.jsonl for data-parallel rank k > 0, so that writers sharing a directory
+never append to, or repair, one another's file; read_manifest reads them all as one. A
+file is written under a temporary name and renamed once complete, and its manifest line
+follows the rename, so every manifest line names a complete file. File names never
+derive from request ids.
 
 One source for every release the series supports: what differs between releases is
 found at runtime (feature checks on the server arguments and on upstream modules), never
@@ -25,6 +28,7 @@ an extend batch are dumped, and the model hands its outputs to
 the forward; background threads stitch, serialize and write them.
 """
 
+import fcntl
 import importlib.util
 import json
 import logging
@@ -50,7 +54,8 @@ FORMAT_VERSION = "1"
 # The dump's own revision within the series, bumped when what it writes or refuses changes.
 SERIES_REVISION = 4
 SERIES_VERSION = f"{__version__}-{SERIES_REVISION}"
-MANIFEST_NAME = "manifest.jsonl"
+MANIFEST_NAME = "manifest.jsonl"  # data-parallel rank 0's; rank k > 0 writes manifest-dp<k>
+MANIFEST_FILE = re.compile(r"^manifest(?:-dp([1-9][0-9]*))?\.jsonl$")
 TEMP_PREFIX = ".partial-"
 # Requests the server sends itself (startup warmup, /health_generate) are never dumped.
 INTERNAL_RID_PREFIXES = ("WARMUP_", "HEALTH_CHECK")
@@ -336,8 +341,10 @@ class DumpWriter:
         queue_size: int = 64,
         on_full: str = "block",
         threads: int = 4,
+        manifest_name: str = MANIFEST_NAME,
     ):
         self.dump_dir = dump_dir
+        self.manifest_name = manifest_name
         self.layer_ids = list(layer_ids)
         self.on_full = on_full
         self.metadata = metadata
@@ -409,6 +416,9 @@ class DumpWriter:
         size = len(header)
         try:
             with open(temp_path, "xb") as f:
+                # Held while the file is written: a writer starting on the same
+                # directory removes only temporary files nobody holds.
+                fcntl.flock(f, fcntl.LOCK_EX)
                 f.write(header)
                 # The chunks go straight from the host rows to the file: no
                 # concatenated copy, no serialized copy.
@@ -434,7 +444,7 @@ class DumpWriter:
             }
         )
         try:
-            _append_line(os.path.join(self.dump_dir, MANIFEST_NAME), line)
+            _append_line(os.path.join(self.dump_dir, self.manifest_name), line)
         except BaseException:
             _remove_quietly(final_path)
             raise
@@ -548,11 +558,49 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
+def manifest_name(dp_rank: int) -> str:
+    return MANIFEST_NAME if dp_rank == 0 else f"manifest-dp{dp_rank}.jsonl"
+
+
+def manifest_paths(dump_dir: str) -> List[str]:
+    """Every writer's manifest in `dump_dir`: data-parallel rank 0's first, then by rank."""
+    try:
+        names = os.listdir(dump_dir)
+    except FileNotFoundError:
+        return []
+    ranked = [(int(m.group(1) or 0), name) for name in names if (m := MANIFEST_FILE.match(name))]
+    return [os.path.join(dump_dir, name) for _, name in sorted(ranked)]
+
+
+def remove_stale_temp_files(dump_dir: str) -> None:
+    """Remove temporary files left by a writer killed in the middle of a write. A file a
+    live writer holds (another data-parallel rank's, or another server's) stays."""
+    for name in os.listdir(dump_dir):
+        if not name.startswith(TEMP_PREFIX):
+            continue
+        path = os.path.join(dump_dir, name)
+        try:
+            with open(path, "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.remove(path)
+        except BlockingIOError:
+            continue
+        except OSError:
+            pass
+
+
 class HiddenStatesDumper:
     """One per model replica. Every rank validates the configuration the same way; only
     the rank that writes for its data-parallel group copies rows and writes files."""
 
-    def __init__(self, dump_dir: str, layer_ids: List[int], is_writer: bool, metadata):
+    def __init__(
+        self,
+        dump_dir: str,
+        layer_ids: List[int],
+        is_writer: bool,
+        metadata,
+        dp_rank: int = 0,
+    ):
         self.dump_dir = dump_dir
         self.layer_ids = layer_ids
         # The model appends aux hidden states as its layers run, i.e. by ascending id.
@@ -561,8 +609,9 @@ class HiddenStatesDumper:
         self._partials: Dict[str, _Partial] = {}
         self._writer = None
         if is_writer:
-            self._remove_stale_temp_files()
-            _repair_torn_manifest(os.path.join(dump_dir, MANIFEST_NAME))
+            manifest = manifest_name(dp_rank)
+            remove_stale_temp_files(dump_dir)
+            _repair_torn_manifest(os.path.join(dump_dir, manifest))
             self._writer = DumpWriter(
                 dump_dir,
                 layer_ids,
@@ -570,6 +619,7 @@ class HiddenStatesDumper:
                 queue_size=envs.SGLANG_HS_DUMP_QUEUE_SIZE.get(),
                 on_full=envs.SGLANG_HS_DUMP_ON_FULL_QUEUE.get(),
                 threads=envs.SGLANG_HS_DUMP_WRITER_THREADS.get(),
+                manifest_name=manifest,
             )
             eager = (
                 "; prefills with dumped requests run without prefill CUDA graphs"
@@ -577,7 +627,7 @@ class HiddenStatesDumper:
                 else ""
             )
             logger.info(
-                f"hidden states dump on: dir={dump_dir} layers={layer_ids} "
+                f"hidden states dump on: dir={dump_dir} manifest={manifest} layers={layer_ids} "
                 f"(of L={metadata['num_layers']}){eager}"
             )
 
@@ -586,7 +636,10 @@ class HiddenStatesDumper:
         if not dump_enabled():
             return None
         from sglang.srt.distributed import get_pp_group
-        from sglang.srt.layers.dp_attention import get_attention_tp_rank
+        from sglang.srt.layers.dp_attention import (
+            get_attention_dp_rank,
+            get_attention_tp_rank,
+        )
         from sglang.srt.server_args import get_global_server_args
 
         server_args = get_global_server_args()
@@ -606,13 +659,9 @@ class HiddenStatesDumper:
         check_dump_dir(dump_dir)
         metadata = file_metadata(layer_ids, num_layers, server_args.model_path)
         is_writer = get_attention_tp_rank() == 0 and get_pp_group().is_last_rank
-        return cls(dump_dir, layer_ids, is_writer, metadata)
+        dp_rank = get_attention_dp_rank() if server_args.enable_dp_attention else 0
+        return cls(dump_dir, layer_ids, is_writer, metadata, dp_rank)
 
-    def _remove_stale_temp_files(self) -> None:
-        # Left behind by a server killed in the middle of a write.
-        for name in os.listdir(self.dump_dir):
-            if name.startswith(TEMP_PREFIX):
-                _remove_quietly(os.path.join(self.dump_dir, name))
 
     def counters(self) -> Optional[DumpCounters]:
         """The counters of this replica's writer (None on ranks that do not write)."""
@@ -741,20 +790,21 @@ def load_dump(path: str) -> DumpRecord:
 
 
 def read_manifest(dump_dir: str) -> List[dict]:
-    """The manifest's entries, in order. A torn last line (a line being appended, or one a
-    killed server left) is not an entry; a line that does not parse elsewhere is an error."""
-    path = os.path.join(dump_dir, MANIFEST_NAME)
-    if not os.path.exists(path):
-        return []
+    """The entries of every writer's manifest in `dump_dir`, each manifest in its order
+    (see manifest_paths). A torn last line (a line being appended, or one a killed server
+    left) is not an entry; a line that does not parse elsewhere is an error."""
     entries = []
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            entry = _parse_manifest_line(line)
-            if entry is None:
-                if not line.endswith(b"\n"):  # the last line, torn
-                    break
-                raise ValueError(f"{path}:{number}: not a manifest entry: {line[:200]!r}")
-            entries.append(entry)
+    for path in manifest_paths(dump_dir):
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                entry = _parse_manifest_line(line)
+                if entry is None:
+                    if not line.endswith(b"\n"):  # the last line, torn
+                        break
+                    raise ValueError(
+                        f"{path}:{number}: not a manifest entry: {line[:200]!r}"
+                    )
+                entries.append(entry)
     return entries
