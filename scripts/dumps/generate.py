@@ -1,0 +1,466 @@
+"""From a chat dataset to a finished hidden-states dump: chat template, loss masks, resume.
+
+    python -m scripts.dumps.generate --dataset DATA --out DIR --model MODEL_DIR [options] [-- SERVER ARGS...]
+    python -m scripts.dumps.generate --dataset DATA --out DIR --server http://HOST:PORT [--model MODEL_DIR] [options]
+
+With --model alone it starts the patched SGLang server on the model (dumping into --out,
+`--skip-tokenizer-init`, the arguments after `--` passed on), and stops it at the end; it
+dies with this command. With --server it uses a running server, which must dump into --out
+(SGLANG_HS_DUMP_DIR); the tokenizer comes from --model, else from the server's model path.
+
+Each valid sample (scripts/dumps/conversations.py) is tokenized with the model's chat
+template and its loss mask found (scripts/dumps/chat.py), then sent as token ids with its
+rid (its id, else `<dataset>:<line>`) for a one-token generation; the server dumps its
+prompt. Once the dump's manifest lists the file, the sample gets its line in
+DIR/samples.jsonl; records that are not samples go to DIR/rejected.jsonl with their line
+and reason (scripts/dumps/samples.py).
+
+Resume: run the same command again. Samples in samples.jsonl are skipped; a sample the
+manifest lists but samples.jsonl does not (the command died between the two) gets its line
+without being sent again; the rest are sent. Records already in rejected.jsonl are not
+written there twice. Connection errors are retried with a doubling delay (--retries), then
+the sample counts as failed. Exit status 0 when every valid sample is dumped, 1 otherwise,
+2 for a usage error.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from sglang.srt.managers.hidden_states_dump import read_manifest
+from scripts.dumps.chat import LOSS_MASKS, ChatEncoder, load_tokenizer
+from scripts.dumps.conversations import Rejected, Sample, open_dataset, read_samples
+from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, AppendOnlyLines, read_lines, samples_line
+from scripts.dumps.server import Server, device_flags, has_gpu, manifest_lines, runtime_env
+from scripts.toolchain.errors import USAGE, ToolError
+
+SERVER_LOG = "server.log"
+RETRYABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
+PR_SET_PDEATHSIG = 1
+
+
+class Client:
+    """JSON over HTTP to one SGLang server."""
+
+    def __init__(self, url: str, timeout: float = 600):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as response:
+            return json.loads(response.read())
+
+    def post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            return json.loads(response.read())
+
+    def server_info(self) -> dict:
+        try:
+            return self.get("/server_info")
+        except urllib.error.HTTPError:
+            return self.get("/get_server_info")
+
+
+def _die_with_parent() -> None:
+    # A server this command started must not outlive it: a SIGKILLed run followed by a
+    # rerun would otherwise race the old server's in-flight requests into the manifest.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class DumpingServer(Server):
+    """The patched server on `model`, dumping into `out`; on the CPU with SGLang's CPU path
+    and the tests' memory sizes, then the user's arguments (later ones win)."""
+
+    def __init__(self, model: Path, out: Path, layers: Optional[str], server_args: List[str]):
+        dump_env = {"SGLANG_HS_DUMP_DIR": str(out)}
+        if layers:
+            dump_env["SGLANG_HS_DUMP_LAYERS"] = layers
+        env = runtime_env(**dump_env) if "SGLANG_CHECKOUT" in os.environ else {**os.environ, **dump_env}
+        super().__init__(model, out / SERVER_LOG, env)
+        defaults = [] if has_gpu() else [*device_flags(), "--max-total-tokens", "16384", "--mem-fraction-static", "0.5"]
+        self.args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
+                     "--host", "127.0.0.1", "--port", str(self.port), *defaults, *server_args]
+
+    def start(self) -> "DumpingServer":
+        self.log_file = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.args, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def exited(self) -> Optional[int]:
+        return self.process.poll()
+
+
+@dataclass
+class Prepared:
+    rid: str
+    line: int
+    input_ids: List[int]
+    loss_mask: List[int]
+
+
+@dataclass
+class Tally:
+    total: int = 0
+    dumped: int = 0          # sent and dumped in this run
+    completed: int = 0       # dumped by an earlier run, samples line written now
+    already_done: int = 0    # in samples.jsonl before this run
+    rejected: Counter = field(default_factory=Counter)
+    rejected_before: int = 0  # of those, already in rejected.jsonl
+    failed: int = 0
+    not_attempted: int = 0
+    tokens: int = 0          # prompt tokens dumped in this run
+    bytes: int = 0           # their files' bytes
+    failures: List[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.failed == 0 and self.not_attempted == 0
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:,.1f} {unit}" if unit != "B" else f"{count:.0f} B"
+        count /= 1000
+
+
+class Generation:
+    """One run over a dataset: prepares samples on this thread, sends them from a pool,
+    and follows the manifest on another thread to write samples lines."""
+
+    def __init__(self, client: Client, out: Path, encoder: ChatEncoder, max_tokens: Optional[int], max_tokens_why: str,
+                 concurrency: int, retries: int, manifest_timeout: float, server: Optional[DumpingServer] = None):
+        self.client, self.out, self.encoder = client, out, encoder
+        self.max_tokens, self.max_tokens_why = max_tokens, max_tokens_why
+        self.concurrency, self.retries, self.manifest_timeout, self.server = concurrency, retries, manifest_timeout, server
+        self.done = {entry["rid"] for entry in read_lines(out / SAMPLES_NAME)}
+        self.rejected_lines = {entry["line"] for entry in read_lines(out / REJECTED_NAME)}
+        self.samples_file = AppendOnlyLines(out / SAMPLES_NAME)
+        self.rejected_file = AppendOnlyLines(out / REJECTED_NAME)
+        self.lock = threading.Lock()
+        self.dumped: Dict[str, dict] = {}      # rid -> its first manifest entry
+        self.waiting: Dict[str, Prepared] = {}  # answered, its manifest line not seen yet
+        self.last_answer = time.monotonic()
+        self.stopping = threading.Event()
+        self.tally = Tally()
+        self.bar = None
+        self.started = time.monotonic()
+
+    # -- the manifest ------------------------------------------------------------------
+
+    def _poll_manifest(self) -> None:
+        entries = read_manifest(str(self.out))
+        with self.lock:
+            for entry in entries:
+                if entry["rid"] in self.dumped:
+                    continue
+                self.dumped[entry["rid"]] = entry
+                prepared = self.waiting.pop(entry["rid"], None)
+                if prepared is not None:
+                    self._complete(prepared, entry, sent=True)
+
+    def _follow_manifest(self) -> None:
+        seen_lines = -1
+        while not self.stopping.is_set():
+            lines = manifest_lines(self.out)
+            if lines != seen_lines:
+                seen_lines = lines
+                self._poll_manifest()
+            time.sleep(0.05)
+
+    # -- outcomes (called with self.lock held) --------------------------------------------
+
+    def _complete(self, prepared: Prepared, entry: dict, sent: bool) -> None:
+        if entry["num_tokens"] != len(prepared.input_ids):
+            self._fail(prepared, f"the dump of {prepared.rid!r} has {entry['num_tokens']} tokens, the sample "
+                                 f"{len(prepared.input_ids)}: was it dumped with another tokenizer or template?")
+            return
+        self.samples_file.append(samples_line(prepared.rid, prepared.line, prepared.loss_mask))
+        self.done.add(prepared.rid)
+        if sent:
+            self.tally.dumped += 1
+            self.tally.tokens += entry["num_tokens"]
+            try:
+                self.tally.bytes += os.path.getsize(self.out / entry["file"])
+            except OSError:
+                pass
+        else:
+            self.tally.completed += 1
+        self._advance()
+
+    def _reject(self, line: int, rid: Optional[str], rejection: Rejected) -> None:
+        self.tally.rejected[rejection.kind] += 1
+        if line in self.rejected_lines:
+            self.tally.rejected_before += 1
+        else:
+            self.rejected_lines.add(line)
+            self.rejected_file.append({"line": line, "rid": rid, "kind": rejection.kind, "reason": rejection.reason})
+        self._advance()
+
+    def _fail(self, prepared: Prepared, reason: str) -> None:
+        self.tally.failed += 1
+        if len(self.tally.failures) < 20:
+            self.tally.failures.append(f"line {prepared.line} ({prepared.rid!r}): {reason}")
+        self._advance()
+
+    def _advance(self) -> None:
+        if self.bar is None:
+            return
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        rejected = sum(self.tally.rejected.values())
+        self.bar.set_postfix_str(f"{self.tally.tokens / elapsed:,.0f} prompt tok/s, {human_bytes(self.tally.bytes)}, "
+                                 f"rejected {rejected}, failed {self.tally.failed}", refresh=False)
+        self.bar.update(1)
+
+    # -- sending -------------------------------------------------------------------------
+
+    def _server_gone(self) -> bool:
+        return self.server is not None and self.server.exited() is not None
+
+    def _send(self, prepared: Prepared) -> None:
+        body = {"input_ids": prepared.input_ids, "rid": prepared.rid,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        delay, error = 1.0, None
+        for attempt in range(self.retries + 1):
+            with self.lock:
+                entry = self.dumped.get(prepared.rid)
+                if entry is not None:  # dumped, its answer lost with a broken connection
+                    self._complete(prepared, entry, sent=True)
+                    return
+            if attempt:
+                if self._server_gone():
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+            try:
+                answer = self.client.post("/generate", body)
+            except urllib.error.HTTPError as e:
+                if 400 <= e.code < 500:
+                    message = e.read().decode("utf-8", "replace")[:500]
+                    with self.lock:
+                        self._reject(prepared.line, prepared.rid, Rejected("server", f"the server refused it (HTTP {e.code}): {message}"))
+                    return
+                error = f"HTTP {e.code}"
+                continue
+            except RETRYABLE as e:
+                error = str(e) or type(e).__name__
+                continue
+            finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
+            if finish.get("type") == "abort":
+                error = f"the server aborted it: {finish.get('message')}"
+                continue
+            with self.lock:
+                self.last_answer = time.monotonic()
+                entry = self.dumped.get(prepared.rid)
+                if entry is not None:
+                    self._complete(prepared, entry, sent=True)
+                else:
+                    self.waiting[prepared.rid] = prepared
+            return
+        with self.lock:
+            self._fail(prepared, f"not answered after {self.retries + 1} attempts: {error}")
+
+    def _prepare(self, sample: Sample) -> Prepared:
+        input_ids, loss_mask = self.encoder.encode(sample.messages)
+        if self.max_tokens is not None and len(input_ids) > self.max_tokens:
+            raise Rejected("too_long", f"{len(input_ids)} tokens, more than {self.max_tokens} ({self.max_tokens_why})")
+        if 1 not in loss_mask:
+            raise Rejected("template", "no token of it is the assistant's")
+        return Prepared(sample.rid, sample.line, input_ids, loss_mask)
+
+    def run(self, dataset, limit: Optional[int]) -> Tally:
+        from tqdm import tqdm
+
+        self.tally.total = dataset.num_records if limit is None else min(limit, dataset.num_records)
+        self._poll_manifest()
+        follower = threading.Thread(target=self._follow_manifest, name="manifest", daemon=True)
+        follower.start()
+        slots = threading.BoundedSemaphore(self.concurrency)
+
+        def send(prepared):
+            try:
+                self._send(prepared)
+            finally:
+                slots.release()
+
+        self.bar = tqdm(total=self.tally.total, unit="sample", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+        resolved = 0
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            for record, result in read_samples(dataset, limit):
+                if self._server_gone():
+                    break
+                resolved += 1
+                if isinstance(result, Rejected):
+                    with self.lock:
+                        self._reject(record.line, None, result)
+                    continue
+                if result.rid in self.done:
+                    with self.lock:
+                        self.tally.already_done += 1
+                        self._advance()
+                    continue
+                try:
+                    prepared = self._prepare(result)
+                except Rejected as rejection:
+                    with self.lock:
+                        self._reject(record.line, result.rid, rejection)
+                    continue
+                with self.lock:
+                    entry = self.dumped.get(prepared.rid)
+                    if entry is not None:
+                        self._complete(prepared, entry, sent=False)
+                        continue
+                slots.acquire()
+                pool.submit(send, prepared)
+        self._wait_for_manifest()
+        self.stopping.set()
+        follower.join()
+        with self.lock:
+            for prepared in self.waiting.values():
+                self._fail(prepared, f"answered, but no file in the manifest of {self.out} after "
+                                     f"{self.manifest_timeout:.0f} s: does the server dump there (SGLANG_HS_DUMP_DIR)?")
+            self.waiting.clear()
+            self.tally.not_attempted = self.tally.total - resolved
+        self.bar.close()
+        self.samples_file.close()
+        self.rejected_file.close()
+        return self.tally
+
+    def _wait_for_manifest(self) -> None:
+        while True:
+            with self.lock:
+                if not self.waiting or time.monotonic() - self.last_answer > self.manifest_timeout:
+                    return
+            if self._server_gone():
+                self._poll_manifest()
+                return
+            time.sleep(0.05)
+
+
+def report(tally: Tally, out: Path, seconds: float, server_exit: Optional[int]) -> str:
+    rejected = sum(tally.rejected.values())
+    lines = [
+        f"dumped {tally.dumped} samples in {seconds:.1f} s: {tally.tokens:,} prompt tokens "
+        f"({tally.tokens / max(seconds, 1e-9):,.0f}/s), {human_bytes(tally.bytes)} written",
+        f"skipped as done: {tally.already_done}; completed from the manifest: {tally.completed}",
+        f"rejected: {rejected}" + (f" ({', '.join(f'{kind} {n}' for kind, n in sorted(tally.rejected.items()))}; "
+                                    f"{tally.rejected_before} recorded by an earlier run)" if rejected else ""),
+        f"failed: {tally.failed}" + (f"; not attempted: {tally.not_attempted}" if tally.not_attempted else ""),
+    ]
+    lines += [f"  {failure}" for failure in tally.failures]
+    if server_exit is not None:
+        lines.append(f"the server exited with code {server_exit} during the run; its log: {out / SERVER_LOG}")
+    lines.append(f"{out}: {SAMPLES_NAME} (samples), {REJECTED_NAME} (rejected records with their reasons)")
+    lines.append("every valid sample is dumped" if tally.complete else
+                 "not every valid sample is dumped: run the same command again to finish")
+    return "\n".join(lines)
+
+
+def parse_args(argv: List[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", type=Path, required=True, help="JSON Lines, parquet, arrow or a saved dataset folder")
+    parser.add_argument("--out", type=Path, required=True, help="the dump folder (manifest, files, samples.jsonl, rejected.jsonl)")
+    parser.add_argument("--model", type=Path, help="the model folder (tokenizer, chat template); without --server, serve it")
+    parser.add_argument("--server", help="a running patched server dumping into --out, e.g. http://127.0.0.1:30000")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
+    parser.add_argument("--limit", type=int, help="only the first N records of the dataset")
+    parser.add_argument("--max-length", type=int, help="reject samples of more tokens (default: what the server accepts)")
+    parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file (default: the model's own)")
+    parser.add_argument("--loss-mask", choices=LOSS_MASKS, default="assistant",
+                        help="assistant: the assistant's tokens (default); all: every token, for templates that allow no mask")
+    parser.add_argument("--dump-layers", help="SGLANG_HS_DUMP_LAYERS of the server this command starts, e.g. 3,31,59")
+    parser.add_argument("--split", default="train", help="the split of a saved DatasetDict (default train)")
+    parser.add_argument("--retries", type=int, default=5, help="retries of a request on connection errors (default 5)")
+    parser.add_argument("--manifest-timeout", type=float, default=120.0,
+                        help="seconds to wait after the last answer for the manifest to list every file (default 120)")
+    parser.add_argument("--server-timeout", type=float, default=1800.0, help="seconds the started server has to get ready")
+    own, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = parser.parse_args(own)
+    args.server_args = server_args
+    if not args.model and not args.server:
+        parser.error("pass --model (this command starts the server) or --server (a running one)")
+    if args.server and (args.dump_layers or server_args):
+        parser.error("--dump-layers and server arguments apply to a server this command starts, not to --server")
+    if args.concurrency < 1 or (args.limit is not None and args.limit < 0) or (args.max_length is not None and args.max_length < 1):
+        parser.error("--concurrency and --max-length are positive, --limit is not negative")
+    return args
+
+
+def generate(args: argparse.Namespace) -> int:
+    dataset = open_dataset(args.dataset, args.split)
+    template = None
+    if args.chat_template:
+        if not args.chat_template.is_file():
+            raise ToolError(f"--chat-template {args.chat_template}: no such file", USAGE)
+        template = args.chat_template.read_text(encoding="utf-8")
+    if args.model and not (args.model / "config.json").is_file():
+        raise ToolError(f"--model {args.model}: no config.json there (a Hugging Face model folder)", USAGE)
+    args.out.mkdir(parents=True, exist_ok=True)
+    server, server_exit = None, None
+    try:
+        if args.server:
+            client = Client(args.server)
+            try:
+                info = client.server_info()
+            except RETRYABLE as e:
+                raise ToolError(f"--server {args.server}: no answer ({e})")
+            model = args.model or Path(info.get("tokenizer_path") or info["model_path"])
+        else:
+            model = args.model
+        encoder = ChatEncoder(load_tokenizer(model), template, args.loss_mask)
+        if not args.server:
+            server = DumpingServer(args.model, args.out, args.dump_layers, args.server_args).start()
+            print(f"starting the server on {args.model} (log: {server.log_path}) ...", file=sys.stderr)
+            server.wait_ready(args.server_timeout)
+            client = Client(server.url)
+            info = client.server_info()
+        max_tokens, why = args.max_length, "--max-length"
+        server_limit = info.get("max_req_input_len")
+        if server_limit and (max_tokens is None or server_limit < max_tokens):
+            max_tokens, why = server_limit, "the longest prompt the server accepts"
+        print(f"{dataset.path}: {dataset.num_records} records; loss mask: {encoder.method}; "
+              f"longest prompt: {max_tokens} tokens", file=sys.stderr)
+        started = time.monotonic()
+        generation = Generation(client, args.out, encoder, max_tokens, why, args.concurrency, args.retries,
+                                args.manifest_timeout, server)
+        tally = generation.run(dataset, args.limit)
+        seconds = time.monotonic() - started
+        server_exit = server.exited() if server is not None else None
+    finally:
+        if server is not None:
+            server.stop()
+    print(report(tally, args.out, seconds, server_exit))
+    return 0 if tally.complete else 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return generate(args)
+    except ToolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
