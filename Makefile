@@ -26,7 +26,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches port port-continue port-skip port-abort test test-tools test-warmup test-unit test-server test-release demo bench bench-writer clean
+.PHONY: help tools runtime apply verify revert refresh-patches port port-continue port-skip port-abort test test-tools test-warmup test-unit test-server test-release demo generate bench bench-writer clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -62,9 +62,10 @@ port-skip: tools ## drop the patch a port stopped at (upstream made it unnecessa
 port-abort: tools ## give a port up: removes .sglang/<TO>/ (sglang.lock and patches/ were never changed)
 	$(TOOLS_PY) -m scripts.toolchain port-abort $(if $(TO),--to $(TO))
 
-$(RUNTIME_VENV)/.installed: requirements/runtime.txt
+$(RUNTIME_VENV)/.installed: requirements/runtime.txt requirements/trainers.txt
 	$$(scripts/toolchain/find-python $(RUNTIME_PYTHON_VERSION)) -m venv $(RUNTIME_VENV)
 	$(RUNTIME_PY) -m pip install --quiet "sglang==$(VERSION)" -r requirements/runtime.txt
+	$(RUNTIME_PY) -m pip install --quiet --no-deps -r requirements/trainers.txt
 	touch $@
 
 $(LIBCUDA_STUB_DIR)/libcuda.so.1: stubs/libcuda_stub.c
@@ -95,8 +96,16 @@ test: test-tools ## everything CI runs
 		$(MAKE) --no-print-directory test-release SGLANG_VERSION=$$version $(if $(SGLANG_DIR),SGLANG_DIR=$(SGLANG_DIR)); \
 	done
 
-demo: apply runtime ## the main job on the embedded tiny model: dump a few prompts and summarise the files
+demo: apply runtime ## the whole path on a tiny model: conversations -> generate -> dump -> SpecForge and speculators exports
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.dumps.demo
+
+DATASET ?=
+OUT ?=
+MODEL ?=
+GENERATE_ARGS ?=
+generate: apply runtime ## DATASET= OUT= MODEL= [GENERATE_ARGS=]: serve MODEL with dumping on, dump DATASET's conversations into OUT
+	@test -n "$(DATASET)" -a -n "$(OUT)" -a -n "$(MODEL)" || { echo "usage: make generate DATASET=<file> OUT=<dir> MODEL=<model dir> [GENERATE_ARGS=\"...\"]"; exit 2; }
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.dumps.generate --dataset $(abspath $(DATASET)) --out $(abspath $(OUT)) --model $(abspath $(MODEL)) $(GENERATE_ARGS)
 
 BENCH_SUITES ?= prefill hidden write scaling
 bench: apply runtime ## benchmarks (scripts/bench/dump.py) into results/bench-<host kind>-<version>.json; see BENCHMARKS.md

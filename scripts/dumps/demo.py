@@ -1,47 +1,55 @@
-"""The main job on the embedded tiny model: start the patched server with dumping on, send a
-few prompts, summarise what was dumped, stop the server.
+"""The whole path on a tiny DeepSeek-V3: a chat dataset in, training data for SpecForge and
+speculators out.
 
-    make demo            (or: python -m scripts.dumps.demo [--dump-dir DIR] [--layers 0,2,3])
+    make demo            (or: python -m scripts.dumps.demo [--out DIR])
+
+1. generate: start the patched server on the tiny model (its tokenizer and DeepSeek-V3-style
+   chat template), send scripts/dumps/data/demo_conversations.jsonl with assistant loss
+   masks, dump EAGLE-3's layers and the last layer, stop the server;
+2. inspect the dump (every file against the manifest);
+3. export it for SpecForge (EAGLE-3's layers) and for speculators (those and the last layer).
 """
 
 import argparse
-import random
 import sys
 import tempfile
 from pathlib import Path
 
+from scripts.dumps import export_specforge, export_speculators, generate
 from scripts.dumps.inspect_dump import report, summarise
-from scripts.dumps.server import Server, runtime_env, wait_for_manifest
 from scripts.dumps.tiny_model import ensure_model
+from scripts.paths import REPO_ROOT
 
-PROMPT_LENGTHS = (5, 17, 64, 300)
+DATASET = REPO_ROOT / "scripts" / "dumps" / "data" / "demo_conversations.jsonl"
+NUM_LAYERS = 8
+EAGLE3_LAYERS = "3,5,6"  # EAGLE-3's default for 8 layers: 3, L//2+1, L-2
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dump-dir", type=Path, default=None, help="default: a new temporary folder")
-    parser.add_argument("--layers", default=None, help="SGLANG_HS_DUMP_LAYERS (default: EAGLE-3's)")
-    parser.add_argument("--num-layers", type=int, default=8, help="layers of the tiny model (8: EAGLE-3 default layers [3, 5, 6])")
+    parser.add_argument("--out", type=Path, default=None, help="default: a new temporary folder")
     args = parser.parse_args(argv)
 
-    dump_dir = args.dump_dir or Path(tempfile.mkdtemp(prefix="hs-dump-"))
-    model = ensure_model(layers=args.num_layers)
-    print(f"model: {model}")
-    env = {"SGLANG_HS_DUMP_DIR": str(dump_dir)}
-    if args.layers:
-        env["SGLANG_HS_DUMP_LAYERS"] = args.layers
-    log_path = dump_dir.parent / f"{dump_dir.name}.server.log"
-    rng = random.Random(0)
-    with Server(model, log_path, runtime_env(**env)) as server:
-        print(f"starting the patched server (log: {log_path}) ...")
-        server.wait_ready()
-        for length in PROMPT_LENGTHS:
-            prompt = [rng.randrange(5, 1000) for _ in range(length)]
-            server.generate(prompt, max_new_tokens=4)
-        wait_for_manifest(dump_dir, len(PROMPT_LENGTHS))
-    summary = summarise(dump_dir)
-    print(report(dump_dir, summary))
-    return 1 if summary.problems or summary.requests != len(PROMPT_LENGTHS) else 0
+    out = args.out or Path(tempfile.mkdtemp(prefix="hs-demo-"))
+    dump = out / "dump"
+    model = ensure_model(layers=NUM_LAYERS)
+    print(f"model: {model}\n\n== 1. generate", flush=True)
+    status = generate.main(["--dataset", str(DATASET), "--out", str(dump), "--model", str(model),
+                            "--dump-layers", f"{EAGLE3_LAYERS},{NUM_LAYERS}"])
+    if status != 0:
+        return status
+    print("\n== 2. inspect the dump", flush=True)
+    summary = summarise(dump)
+    print(report(dump, summary))
+    if summary.problems:
+        return 1
+    print("\n== 3. export", flush=True)
+    status = (export_specforge.main([str(dump), str(out / "specforge"), "--layers", EAGLE3_LAYERS])
+              or export_speculators.main([str(dump), str(out / "speculators")]))
+    if status == 0:
+        print(f"\nSpecForge's offline hidden states: {out / 'specforge'}"
+              f"\nspeculators' data path: {out / 'speculators'}")
+    return status
 
 
 if __name__ == "__main__":
