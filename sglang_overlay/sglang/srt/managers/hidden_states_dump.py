@@ -144,6 +144,11 @@ def check_server_args(server_args) -> None:
         refusals.append(
             "speculative decoding: it sets its own layers to capture on the target model"
         )
+    if getattr(server_args, "enable_return_aux_hidden_states", False):
+        refusals.append(
+            "--enable-return-aux-hidden-states: it sets its own layers to capture "
+            "(--return-aux-hidden-state-layer-ids) on the model"
+        )
     if server_args.enable_two_batch_overlap:
         refusals.append(
             "--enable-two-batch-overlap: its overlapped layers run without the capture"
@@ -724,9 +729,17 @@ class HiddenStatesDumper:
                 return tensor[spans[0][2] : spans[-1][3]]
             return torch.cat([tensor[start:end] for _, _, start, end in spans])
 
+        if isinstance(aux_hidden_states, torch.Tensor):
+            # Packed by upstream's AuxHiddenStatePacker (0.5.23): [T, K * H], by ascending id.
+            layers = dumped_rows(aux_hidden_states).unflatten(-1, (len(self._aux_order), -1))
+            aux_rows = layers[:, self._aux_order]
+        else:
+            aux_rows = torch.stack(
+                [dumped_rows(aux_hidden_states[j]) for j in self._aux_order], dim=1
+            )
         device_rows = (
             dumped_rows(forward_batch.input_ids).to(torch.int64),
-            torch.stack([dumped_rows(aux_hidden_states[j]) for j in self._aux_order], dim=1),
+            aux_rows,
             dumped_rows(hidden_states),
         )
         if hidden_states.device.type == "cpu":
