@@ -225,8 +225,10 @@ def _describe_stop(port: Port, picked: subprocess.CompletedProcess) -> str:
         regions = _conflict_regions(text)
         if not regions:
             lines.append(f"  {path}: conflict (added or removed on one side only)")
+        named = []
         for start, base, theirs in regions:
-            hunk = _hunk_in_region(hunks, base, theirs)
+            hunk = _hunk_in_region(hunks, base, theirs, named)
+            named.append(hunk)
             lines.append(f"  {path}:{start}: " + (f"hunk {_hunk_header(hunk)} conflicts" if hunk else "conflict"))
     lines.append(
         f"Resolve it in {port.root} with git's usual commands (edit the conflicted lines, then "
@@ -259,15 +261,17 @@ def _conflict_regions(text: List[str]):
     return regions
 
 
-def _hunk_in_region(patched_files: PatchSet, base: List[str], theirs: List[str]):
-    """The patch's hunk whose changed lines the conflict holds: added lines among theirs, removed among base."""
-    best, best_score = None, 0
+def _hunk_in_region(patched_files: PatchSet, base: List[str], theirs: List[str], named: list):
+    """The patch's hunk whose changed lines the conflict holds (added lines among theirs, removed
+    among base); of hunks that match as well, one not `named` for an earlier conflict."""
+    best, best_score = None, (0, False)
     for patched_file in patched_files:
         for hunk in patched_file:
             added = [l.value.rstrip("\n") for l in hunk if l.is_added]
             removed = [l.value.rstrip("\n") for l in hunk if l.is_removed]
-            score = sum(line in theirs for line in added) + sum(line in base for line in removed)
-            if score > best_score:
+            matched = sum(line in theirs for line in added) + sum(line in base for line in removed)
+            score = (matched, hunk not in named)
+            if matched and score > best_score:
                 best, best_score = hunk, score
     return best
 
