@@ -34,8 +34,9 @@ import json
 import logging
 import math
 import os
-import re
 import queue
+import re
+import signal
 import threading
 import time
 import uuid
@@ -399,6 +400,19 @@ class DumpWriter:
                 self.stats.add(errors=1)
             finally:
                 self.in_order.done(job.sequence)
+                self.queue.task_done()
+
+    def drain(self, timeout: float) -> int:
+        """Wait until every submitted request is written (or has failed), at most
+        `timeout` seconds; returns how many are still not written."""
+        deadline = time.monotonic() + timeout
+        with self.queue.all_tasks_done:
+            while self.queue.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.queue.all_tasks_done.wait(left)
+            return self.queue.unfinished_tasks
 
     def write_file(self, job: _Job) -> None:
         """Write one job's file and its manifest line (on a writer thread)."""
@@ -563,6 +577,56 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
+def drain_before_kill(processes) -> None:
+    """Called by the server before it kills its processes (SIGTERM, SIGINT, its own
+    shutdown): asks them to terminate, which a writing scheduler does only once it has
+    written what it holds (see drain_on_termination), and waits for them at most
+    SGLANG_HS_DUMP_DRAIN_TIMEOUT_S seconds. The caller kills what is left."""
+    if not dump_enabled() or not processes:
+        return
+    import psutil
+
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    # A little longer than the writer's own deadline, so that it can log what it lost.
+    psutil.wait_procs(processes, timeout=envs.SGLANG_HS_DUMP_DRAIN_TIMEOUT_S.get() + 5)
+
+
+def drain_on_termination(writer: DumpWriter) -> None:
+    """On SIGTERM, write every request already queued (at most
+    SGLANG_HS_DUMP_DRAIN_TIMEOUT_S seconds), log what could not be written, then
+    terminate as before."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def drain_then_terminate(signum, frame):
+        timeout = envs.SGLANG_HS_DUMP_DRAIN_TIMEOUT_S.get()
+        queued = writer.queue.unfinished_tasks
+        logger.info(
+            f"hidden states dump: terminating; writing {queued} queued requests "
+            f"(at most {timeout:g} s)"
+        )
+        left = writer.drain(timeout)
+        if left:
+            logger.error(
+                f"hidden states dump: exiting with {left} of {queued} queued requests "
+                f"not written (SGLANG_HS_DUMP_DRAIN_TIMEOUT_S={timeout:g})"
+            )
+        else:
+            logger.info(
+                f"hidden states dump: wrote the {queued} queued requests before exiting; "
+                f"{writer.counters().line()}"
+            )
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, drain_then_terminate)
+
+
 def manifest_name(dp_rank: int) -> str:
     return MANIFEST_NAME if dp_rank == 0 else f"manifest-dp{dp_rank}.jsonl"
 
@@ -592,6 +656,29 @@ def remove_stale_temp_files(dump_dir: str) -> None:
             continue
         except OSError:
             pass
+
+
+def _server_args_and_ranks():
+    """This process's server arguments and its (attention-TP rank, attention-DP rank or 0
+    without DP attention, last pipeline stage?). 0.5.23 serves them from
+    sglang.srt.runtime_context (get_global_server_args is retired there); older releases
+    from module-level getters."""
+    try:
+        from sglang.srt.runtime_context import get_parallel, get_server_args
+    except ImportError:
+        from sglang.srt.distributed import get_pp_group
+        from sglang.srt.layers.dp_attention import (
+            get_attention_dp_rank,
+            get_attention_tp_rank,
+        )
+        from sglang.srt.server_args import get_global_server_args
+
+        server_args = get_global_server_args()
+        dp_rank = get_attention_dp_rank() if server_args.enable_dp_attention else 0
+        return server_args, (get_attention_tp_rank(), dp_rank, get_pp_group().is_last_rank)
+    server_args, parallel = get_server_args(), get_parallel()
+    dp_rank = parallel.attn_dp_rank if server_args.enable_dp_attention else 0
+    return server_args, (parallel.attn_tp_rank, dp_rank, parallel.pp_group.is_last_rank)
 
 
 class HiddenStatesDumper:
@@ -626,6 +713,7 @@ class HiddenStatesDumper:
                 threads=envs.SGLANG_HS_DUMP_WRITER_THREADS.get(),
                 manifest_name=manifest,
             )
+            drain_on_termination(self._writer)
             eager = (
                 "; prefills with dumped requests run without prefill CUDA graphs"
                 if prefill_graphs_run_dumps_eagerly()
@@ -640,14 +728,7 @@ class HiddenStatesDumper:
     def from_env(cls, config) -> Optional["HiddenStatesDumper"]:
         if not dump_enabled():
             return None
-        from sglang.srt.distributed import get_pp_group
-        from sglang.srt.layers.dp_attention import (
-            get_attention_dp_rank,
-            get_attention_tp_rank,
-        )
-        from sglang.srt.server_args import get_global_server_args
-
-        server_args = get_global_server_args()
+        server_args, (attn_tp_rank, dp_rank, last_pp_stage) = _server_args_and_ranks()
         check_server_args(server_args)
         dump_dir = envs.SGLANG_HS_DUMP_DIR.get()
         num_layers = config.num_hidden_layers
@@ -661,10 +742,11 @@ class HiddenStatesDumper:
             raise ValueError("SGLANG_HS_DUMP_QUEUE_SIZE must be at least 1.")
         if envs.SGLANG_HS_DUMP_WRITER_THREADS.get() < 1:
             raise ValueError("SGLANG_HS_DUMP_WRITER_THREADS must be at least 1.")
+        if envs.SGLANG_HS_DUMP_DRAIN_TIMEOUT_S.get() < 0:
+            raise ValueError("SGLANG_HS_DUMP_DRAIN_TIMEOUT_S must not be negative.")
         check_dump_dir(dump_dir)
         metadata = file_metadata(layer_ids, num_layers, server_args.model_path)
-        is_writer = get_attention_tp_rank() == 0 and get_pp_group().is_last_rank
-        dp_rank = get_attention_dp_rank() if server_args.enable_dp_attention else 0
+        is_writer = attn_tp_rank == 0 and last_pp_stage
         return cls(dump_dir, layer_ids, is_writer, metadata, dp_rank)
 
 
