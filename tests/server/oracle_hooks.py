@@ -47,8 +47,14 @@ def record_output(config):
             _record["0"] = _host(output)
         elif kind == "layer":
             positions, forward_batch = inputs[0], inputs[2]
-            hidden_states, residual = output[:2]  # 0.5.14+ layers also return topk indices
-            value = hidden_states if residual is None else hidden_states + residual
+            stream = getattr(forward_batch, "residual_stream", None)
+            if stream is not None:
+                # 0.5.23: a layer returns (output, topk indices) and leaves the residual on
+                # the batch's stream, whose snapshot is their sum.
+                value = stream.snapshot(output[0])
+            else:
+                hidden_states, residual = output[:2]  # 0.5.14 layers also return topk indices
+                value = hidden_states if residual is None else hidden_states + residual
             _record[str(config["index"] + 1)] = _host(value)
             if config["index"] == 0:
                 _record["positions"] = _host(positions).to(torch.int64)

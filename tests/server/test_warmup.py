@@ -103,8 +103,22 @@ def naive_tree(tmp_path):
 
 
 def test_naive_patch_fails_the_warmup_check(model_l3, naive_tree, tmp_path):
+    """The seed's failure, on every release: no id of [3, 31, 59] lies below L=3, nothing is
+    captured, the model returns a bare tensor and the forward's unpack raises."""
     with Server(model_l3, tmp_path / "server.log", runtime_env(tree=naive_tree)) as server:
         with pytest.raises(ServerFailed, match="too many values to unpack"):
+            server.wait_ready(timeout=300)
+
+
+@pytest.mark.skipif(
+    tuple(map(int, os.environ["SGLANG_VERSION"].split("."))) < (0, 5, 23),
+    reason="upstream packs aux hidden states into an AuxHiddenStatePacker from 0.5.23 on",
+)
+def test_naive_patch_fails_on_a_deeper_model_with_upstreams_packer(model_l5_no_q_lora, naive_tree, tmp_path):
+    """0.5.23's failure on a model deep enough to reach one of the naive ids: with L=5 only
+    layer 3 of [3, 31, 59] is captured, and the packer refuses a partial capture at warmup."""
+    with Server(model_l5_no_q_lora, tmp_path / "server.log", runtime_env(tree=naive_tree)) as server:
+        with pytest.raises(ServerFailed, match="captured 1 of 3 aux hidden states"):
             server.wait_ready(timeout=300)
 
 
