@@ -162,6 +162,7 @@ class Generation:
         self.waiting: Dict[str, Prepared] = {}  # answered, its manifest line not seen yet
         self.last_answer = time.monotonic()
         self.stopping = threading.Event()
+        self.unreachable = threading.Event()  # a sample ran out of retries: the rest would too
         self.tally = Tally()
         self.bar = None
         self.started = time.monotonic()
@@ -235,7 +236,7 @@ class Generation:
     # -- sending -------------------------------------------------------------------------
 
     def _server_gone(self) -> bool:
-        return self.server is not None and self.server.exited() is not None
+        return self.unreachable.is_set() or (self.server is not None and self.server.exited() is not None)
 
     def _send(self, prepared: Prepared) -> None:
         body = {"input_ids": prepared.input_ids, "rid": prepared.rid,
@@ -277,6 +278,7 @@ class Generation:
                 else:
                     self.waiting[prepared.rid] = prepared
             return
+        self.unreachable.set()
         with self.lock:
             self._fail(prepared, f"not answered after {self.retries + 1} attempts: {error}")
 
