@@ -42,9 +42,10 @@ def final_rows(token_ids: Sequence[int]) -> torch.Tensor:
     return -layer_rows(token_ids, 0)
 
 
-def start_dumper(dump_dir, layer_ids: List[int], dp_rank: int = 0) -> HiddenStatesDumper:
-    metadata = file_metadata(layer_ids, NUM_LAYERS, model_path="/models/stand-in")
-    return HiddenStatesDumper(str(dump_dir), layer_ids, is_writer=True, metadata=metadata, dp_rank=dp_rank)
+def start_dumper(dump_dir, layer_ids: List[int], dp_rank: int = 0, dtype=None) -> HiddenStatesDumper:
+    metadata = file_metadata(layer_ids, NUM_LAYERS, "/models/stand-in", dtype, torch.float32)
+    return HiddenStatesDumper(str(dump_dir), layer_ids, is_writer=True, metadata=metadata, dp_rank=dp_rank,
+                              dtype=dtype)
 
 
 # One request of a forward: what it dumps (None: not dumped), the token ids of its rows

@@ -11,6 +11,10 @@ holds
                        layer's output before the final norm)
     last_hidden_state  [T, H]: the final normed state the LM head reads
 
+With SGLANG_HS_DUMP_DTYPE=fp8 both state tensors are float8 e4m3, each row scaled by its
+own amax (hidden_states_scale [T, K] and last_hidden_state_scale [T], float32): about half
+the bytes. The metadata's `encoding` says which; load_dump dequantizes by default.
+
 and then one line is appended to the writer's manifest in <dir>: manifest.jsonl, or
 manifest-dp<k>.jsonl for data-parallel rank k > 0, so that writers sharing a directory
 never append to, or repair, one another's file; read_manifest reads them all as one. A
@@ -42,7 +46,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,6 +62,10 @@ SERIES_VERSION = f"{__version__}-{SERIES_REVISION}"
 MANIFEST_NAME = "manifest.jsonl"  # data-parallel rank 0's; rank k > 0 writes manifest-dp<k>
 MANIFEST_FILE = re.compile(r"^manifest(?:-dp([1-9][0-9]*))?\.jsonl$")
 TEMP_PREFIX = ".partial-"
+# The encodings SGLANG_HS_DUMP_DTYPE picks (unset: the model's dtype, unconverted).
+DTYPES = ("bf16", "fp8")
+FP8_ENCODING = "fp8_e4m3_row_scaled"
+FP8_MAX = 448.0  # the largest float8 e4m3 (fn) value
 # Requests the server sends itself (startup warmup, /health_generate) are never dumped.
 INTERNAL_RID_PREFIXES = ("WARMUP_", "HEALTH_CHECK")
 # The counters are logged after every error, drop and discard, after the first file (the
@@ -183,17 +191,59 @@ def prefill_graphs_run_dumps_eagerly() -> bool:
 
 
 def file_metadata(
-    layer_ids: List[int], num_layers: int, model_path: str
+    layer_ids: List[int],
+    num_layers: int,
+    model_path: str,
+    dtype: Optional[str] = None,
+    model_dtype: Optional[torch.dtype] = None,
 ) -> Dict[str, str]:
-    """The metadata every file of a dump carries (the writer adds each file's rid)."""
-    return {
+    """The metadata every file of a dump carries (the writer adds each file's rid).
+    `dtype` is SGLANG_HS_DUMP_DTYPE's value; fp8 files also name the model dtype that
+    load_dump dequantizes to."""
+    metadata = {
         "format": FORMAT_VERSION,
         "layer_ids": json.dumps(layer_ids),
         "num_layers": str(num_layers),
         "model_path": str(model_path),
         "sglang_version": __version__,
         "series_version": SERIES_VERSION,
+        "encoding": FP8_ENCODING if dtype == "fp8" else "plain",
     }
+    if dtype == "fp8":
+        metadata["model_dtype"] = str(model_dtype or torch.bfloat16).replace("torch.", "")
+    return metadata
+
+
+def parse_dtype(value: Optional[str]) -> Optional[str]:
+    """SGLANG_HS_DUMP_DTYPE: None (the model's dtype), 'bf16' or 'fp8'."""
+    if value is None or value == "":
+        return None
+    if value.lower() not in DTYPES:
+        raise ValueError(
+            f"SGLANG_HS_DUMP_DTYPE={value!r}: use one of {', '.join(DTYPES)} "
+            f"(unset: the model's dtype)."
+        )
+    return value.lower()
+
+
+def quantize_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 rows and the float32 scale of each (its amax / FP8_MAX), over the
+    last dimension; an all-zero row gets scale 1."""
+    amax = rows.abs().amax(dim=-1).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (rows.float() / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def dequantize_rows(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (quantized.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def default_writer_threads() -> int:
+    """Writer threads when SGLANG_HS_DUMP_WRITER_THREADS is 0: a quarter of the host's
+    cores, 4 to 16 (one writer alone landed 9 GB/s with 4 threads and 16 GB/s with 8 on
+    a 32-core host's tmpfs)."""
+    return max(4, min(16, (os.cpu_count() or 4) // 4))
 
 
 def check_dump_dir(dump_dir: str) -> None:
@@ -211,16 +261,32 @@ def check_dump_dir(dump_dir: str) -> None:
 
 @dataclass
 class HostRows:
-    """Rows of one forward on their way to the host; valid once `ready` has completed."""
+    """Rows of one forward on their way to the host; valid once `ready` has completed.
+    fp8 rows carry their scales."""
 
     token_ids: torch.Tensor
     hidden_states: torch.Tensor
     last_hidden_state: torch.Tensor
-    ready: Optional[torch.cuda.Event]
+    ready: Optional[torch.cuda.Event] = None
+    hidden_states_scale: Optional[torch.Tensor] = None
+    last_hidden_state_scale: Optional[torch.Tensor] = None
+
+    def names(self) -> List[str]:
+        """The file's tensors, in file order."""
+        return [name for name in FILE_TENSORS if getattr(self, name) is not None]
 
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
+
+
+FILE_TENSORS = (
+    "token_ids",
+    "hidden_states",
+    "last_hidden_state",
+    "hidden_states_scale",
+    "last_hidden_state_scale",
+)
 
 
 @dataclass
@@ -420,7 +486,7 @@ class DumpWriter:
             chunk.rows.wait()
         parts = {
             name: [chunk.take(name) for chunk in job.chunks]
-            for name in ("token_ids", "hidden_states", "last_hidden_state")
+            for name in job.chunks[0].rows.names()
         }
         num_tokens = sum(part.shape[0] for part in parts["token_ids"])
         hidden_states = parts["hidden_states"][0]
@@ -471,6 +537,7 @@ class DumpWriter:
 
 
 _SAFETENSORS_DTYPES = {
+    torch.float8_e4m3fn: "F8_E4M3",
     torch.bfloat16: "BF16",
     torch.float16: "F16",
     torch.float32: "F32",
@@ -692,9 +759,12 @@ class HiddenStatesDumper:
         is_writer: bool,
         metadata,
         dp_rank: int = 0,
+        dtype: Optional[str] = None,
     ):
         self.dump_dir = dump_dir
         self.layer_ids = layer_ids
+        self.dtype = dtype  # SGLANG_HS_DUMP_DTYPE: None (the model's), "bf16" or "fp8"
+        self._copy_stream = None  # device-to-host copies leave the forward's stream
         # The model appends aux hidden states as its layers run, i.e. by ascending id.
         self._aux_order = [sorted(layer_ids).index(i) for i in layer_ids]
         self.is_writer = is_writer
@@ -710,7 +780,8 @@ class HiddenStatesDumper:
                 metadata,
                 queue_size=envs.SGLANG_HS_DUMP_QUEUE_SIZE.get(),
                 on_full=envs.SGLANG_HS_DUMP_ON_FULL_QUEUE.get(),
-                threads=envs.SGLANG_HS_DUMP_WRITER_THREADS.get(),
+                threads=envs.SGLANG_HS_DUMP_WRITER_THREADS.get()
+                or default_writer_threads(),
                 manifest_name=manifest,
             )
             drain_on_termination(self._writer)
@@ -721,7 +792,8 @@ class HiddenStatesDumper:
             )
             logger.info(
                 f"hidden states dump on: dir={dump_dir} manifest={manifest} layers={layer_ids} "
-                f"(of L={metadata['num_layers']}){eager}"
+                f"(of L={metadata['num_layers']}) encoding={metadata['encoding']} "
+                f"writer_threads={len(self._writer.threads)}{eager}"
             )
 
     @classmethod
@@ -740,15 +812,20 @@ class HiddenStatesDumper:
             )
         if envs.SGLANG_HS_DUMP_QUEUE_SIZE.get() < 1:
             raise ValueError("SGLANG_HS_DUMP_QUEUE_SIZE must be at least 1.")
-        if envs.SGLANG_HS_DUMP_WRITER_THREADS.get() < 1:
-            raise ValueError("SGLANG_HS_DUMP_WRITER_THREADS must be at least 1.")
+        if envs.SGLANG_HS_DUMP_WRITER_THREADS.get() < 0:
+            raise ValueError(
+                "SGLANG_HS_DUMP_WRITER_THREADS must not be negative (0: from the host's cores)."
+            )
+        dtype = parse_dtype(envs.SGLANG_HS_DUMP_DTYPE.get())
         if envs.SGLANG_HS_DUMP_DRAIN_TIMEOUT_S.get() < 0:
             raise ValueError("SGLANG_HS_DUMP_DRAIN_TIMEOUT_S must not be negative.")
         check_dump_dir(dump_dir)
-        metadata = file_metadata(layer_ids, num_layers, server_args.model_path)
+        # The model is being built under its own default dtype.
+        metadata = file_metadata(
+            layer_ids, num_layers, server_args.model_path, dtype, torch.get_default_dtype()
+        )
         is_writer = attn_tp_rank == 0 and last_pp_stage
-        return cls(dump_dir, layer_ids, is_writer, metadata, dp_rank)
-
+        return cls(dump_dir, layer_ids, is_writer, metadata, dp_rank, dtype)
 
     def counters(self) -> Optional[DumpCounters]:
         """The counters of this replica's writer (None on ranks that do not write)."""
@@ -806,6 +883,37 @@ class HiddenStatesDumper:
             self._writer.stats.add(discarded=1)
 
     def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans):
+        if hidden_states.device.type == "cpu":
+            device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+            return HostRows(**{name: t.clone() for name, t in device_rows.items()})
+        # On their own stream, so the next forward does not wait for the copies; the
+        # inputs, made on the forward's stream, stay allocated until the copies are done.
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+            host_rows = {}
+            for name, tensor in device_rows.items():
+                host = torch.empty(
+                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True
+                )
+                host.copy_(tensor, non_blocking=True)
+                host_rows[name] = host
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        inputs = [forward_batch.input_ids, hidden_states]
+        inputs += [aux_hidden_states] if isinstance(aux_hidden_states, torch.Tensor) else list(aux_hidden_states)
+        for tensor in inputs:
+            tensor.record_stream(stream)
+        return HostRows(ready=ready, **host_rows)
+
+    def _rows(self, forward_batch, hidden_states, aux_hidden_states, spans):
+        """The dumped requests' rows of this forward, in the file's form: token ids,
+        captured layers [T, K, H] in the configured order, the final state, converted
+        or quantized as SGLANG_HS_DUMP_DTYPE says."""
+
         def dumped_rows(tensor: torch.Tensor) -> torch.Tensor:
             if len(spans) == 1 or all(a[3] == b[2] for a, b in zip(spans, spans[1:])):
                 return tensor[spans[0][2] : spans[-1][3]]
@@ -819,25 +927,18 @@ class HiddenStatesDumper:
             aux_rows = torch.stack(
                 [dumped_rows(aux_hidden_states[j]) for j in self._aux_order], dim=1
             )
-        device_rows = (
-            dumped_rows(forward_batch.input_ids).to(torch.int64),
-            aux_rows,
-            dumped_rows(hidden_states),
-        )
-        if hidden_states.device.type == "cpu":
-            host_rows = [t.clone() for t in device_rows]
-            ready = None
-        else:
-            host_rows = []
-            for tensor in device_rows:
-                host = torch.empty(
-                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True
-                )
-                host.copy_(tensor, non_blocking=True)
-                host_rows.append(host)
-            ready = torch.cuda.Event()
-            ready.record()
-        return HostRows(*host_rows, ready=ready)
+        rows = {
+            "token_ids": dumped_rows(forward_batch.input_ids).to(torch.int64),
+            "hidden_states": aux_rows,
+            "last_hidden_state": dumped_rows(hidden_states),
+        }
+        if self.dtype == "bf16":
+            for name in ("hidden_states", "last_hidden_state"):
+                rows[name] = rows[name].to(torch.bfloat16)
+        elif self.dtype == "fp8":
+            for name in ("hidden_states", "last_hidden_state"):
+                rows[name], rows[f"{name}_scale"] = quantize_rows(rows[name])
+        return rows
 
     def _add_chunk(self, request: DumpRequest, prefix_len: int, chunk: Chunk) -> None:
         partial = self._partials.pop(request.rid, None)
@@ -865,23 +966,38 @@ class DumpRecord:
     hidden_states: torch.Tensor
     last_hidden_state: torch.Tensor
     metadata: Dict[str, str]
+    # Only when an fp8 file is read raw: float32 scales, one per row.
+    hidden_states_scale: Optional[torch.Tensor] = None
+    last_hidden_state_scale: Optional[torch.Tensor] = None
 
     @property
     def layer_ids(self) -> List[int]:
         return json.loads(self.metadata["layer_ids"])
 
+    @property
+    def encoding(self) -> str:
+        return self.metadata.get("encoding", "plain")
 
-def load_dump(path: str) -> DumpRecord:
-    """Read one dumped file: the writer's twin, used by tests and tools."""
+
+def load_dump(path: str, raw: bool = False) -> DumpRecord:
+    """Read one dumped file: the writer's twin, used by tests and tools. fp8 states come
+    back dequantized to the model's dtype, or as stored (with their scales) when `raw`."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
-        return DumpRecord(
-            token_ids=f.get_tensor("token_ids"),
-            hidden_states=f.get_tensor("hidden_states"),
-            last_hidden_state=f.get_tensor("last_hidden_state"),
-            metadata=f.metadata(),
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        metadata = f.metadata()
+    record = DumpRecord(metadata=metadata, **tensors)
+    if record.encoding == FP8_ENCODING and not raw:
+        dtype = getattr(torch, metadata["model_dtype"])
+        record.hidden_states = dequantize_rows(
+            record.hidden_states, record.hidden_states_scale, dtype
         )
+        record.last_hidden_state = dequantize_rows(
+            record.last_hidden_state, record.last_hidden_state_scale, dtype
+        )
+        record.hidden_states_scale = record.last_hidden_state_scale = None
+    return record
 
 
 def read_manifest(dump_dir: str) -> List[dict]:
