@@ -1,11 +1,8 @@
-"""scripts/export_specforge.py on a real dump: the values round-trip, the layout is
-SpecForge's, and SpecForge's own offline readers load it (specforge 0.2.0 from PyPI,
-imported without its dependencies: its readers need only torch)."""
+"""scripts/dumps/export_specforge.py on a real dump: the values round-trip, the layout is
+SpecForge's, and SpecForge's own offline readers load it (specforge 0.2.0, installed without
+its dependencies by requirements/trainers.txt: its readers need only torch)."""
 
 import json
-import subprocess
-import sys
-import zipfile
 
 import pytest
 import torch
@@ -13,10 +10,9 @@ import torch
 from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
 from tests.server.dump_checks import generate_body, random_prompts
 from scripts.dumps import export_specforge
-from scripts.paths import REPO_ROOT
+from scripts.dumps.samples import SAMPLES_NAME, samples_line
 from scripts.dumps.server import Server, runtime_env, wait_for_manifest
 
-SPECFORGE = "specforge==0.2.0"
 LENGTHS = [1, 17, 64, 130, 257]
 
 
@@ -61,43 +57,24 @@ def test_folders_of_2000(tmp_path):
     assert export_specforge.sample_path(tmp_path, 2000) == tmp_path / "rows_2000-4000" / "data_2000.ckpt"
 
 
-def test_loss_masks(dump, tmp_path, capsys):
+def test_loss_masks_from_the_samples_file(dump, tmp_path, capsys):
     entries = read_manifest(str(dump))
     masks = {e["rid"]: [n % 2 for n in range(e["num_tokens"])] for e in entries}
-    path = tmp_path / "masks.jsonl"
-    path.write_text("".join(json.dumps({"rid": rid, "loss_mask": mask}) + "\n" for rid, mask in masks.items()))
-    assert export_specforge.main([str(dump), str(tmp_path / "out"), "--loss-masks", str(path)]) == 0
+    path = tmp_path / SAMPLES_NAME
+    path.write_text("".join(json.dumps(samples_line(rid, n, mask)) + "\n" for n, (rid, mask) in enumerate(masks.items())))
+    assert export_specforge.main([str(dump), str(tmp_path / "out"), "--samples", str(path)]) == 0
     for n, entry in enumerate(entries):
         sample = torch.load(tmp_path / "out" / "rows_0-2000" / f"data_{n}.ckpt")
         assert sample["loss_mask"].tolist() == masks[entry["rid"]]
 
     masks["export-2"] = masks["export-2"][:-1]
-    path.write_text("".join(json.dumps({"rid": rid, "loss_mask": mask}) + "\n" for rid, mask in masks.items()))
-    assert export_specforge.main([str(dump), str(tmp_path / "bad"), "--loss-masks", str(path)]) == 1
-    assert "the loss mask of rid 'export-2' has 63 values, its dump has 64 tokens" in capsys.readouterr().err
+    path.write_text("".join(json.dumps(samples_line(rid, n, mask)) + "\n" for n, (rid, mask) in enumerate(masks.items())))
+    assert export_specforge.main([str(dump), str(tmp_path / "bad"), "--samples", str(path)]) == 1
+    assert "the loss mask of 'export-2' has 63 values, its dump has 64 tokens" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()  # checked before anything is written
 
 
-@pytest.fixture(scope="module")
-def specforge(tmp_path_factory):
-    """SpecForge's wheel, unpacked; its dependencies (sglang 0.5.14, torch 2.11) are not
-    installed: the offline readers import with those of this venv."""
-    cache = REPO_ROOT / ".cache" / "specforge"
-    unpacked = cache / SPECFORGE.replace("==", "-")
-    if not unpacked.is_dir():
-        download = tmp_path_factory.mktemp("specforge")
-        result = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", SPECFORGE,
-                                 "-d", str(download)], capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            pytest.skip(f"cannot download {SPECFORGE} from PyPI: {result.stderr.strip()[-500:]}")
-        wheel, = download.glob("*.whl")
-        zipfile.ZipFile(wheel).extractall(unpacked)
-    sys.path.insert(0, str(unpacked))
-    yield
-    sys.path.remove(str(unpacked))
-
-
-def test_specforge_reads_the_export(dump, tmp_path, specforge):
+def test_specforge_reads_the_export(dump, tmp_path):
     from specforge.data.preprocessing import build_offline_eagle3_dataset
     from specforge.runtime.data_plane.feature_store import load_feature_file
     from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
