@@ -3,6 +3,7 @@ model: which rows of a batch are dumped, chunked prefills stitched into one file
 what is discarded."""
 
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -11,6 +12,7 @@ from tests.unit.dump_standins import (
     NUM_LAYERS,
     assert_dir_holds_exactly,
     assert_dumped,
+    final_rows,
     layer_rows,
     prompt,
     run_decode,
@@ -67,6 +69,29 @@ def test_the_configured_layer_order_is_kept(dump_dir):
 
     run_forward(dumper, [(DumpRequest("r", 3), tokens, 0)])
     (line,) = wait_for_manifest(dump_dir, ["r"])
+
+    record = load_dump(os.path.join(dump_dir, line["file"]))
+    for k, layer_id in enumerate(layer_ids):
+        assert torch.equal(record.hidden_states[:, k], layer_rows(tokens, layer_id))
+    assert_dumped(dump_dir, line, tokens, layer_ids)
+
+
+def test_the_packed_aux_form_dumps_like_the_list_form(dump_dir):
+    """From 0.5.23 the model hands one [T, K*H] tensor (upstream's AuxHiddenStatePacker):
+    the layers side by side in ascending id order, whatever order they are configured in."""
+    layer_ids = [3, 0, 2]
+    dumper = start_dumper(dump_dir, layer_ids)
+    tokens = prompt(100, 3)
+    forward_batch = SimpleNamespace(
+        hidden_states_dump_requests=[DumpRequest("packed", 3)],
+        extend_prefix_lens_cpu=[0],
+        extend_seq_lens_cpu=[3],
+        input_ids=torch.tensor(tokens, dtype=torch.int32),
+    )
+    packed = torch.cat([layer_rows(tokens, layer_id) for layer_id in sorted(layer_ids)], dim=-1)
+
+    dumper.capture(forward_batch, final_rows(tokens), packed)
+    (line,) = wait_for_manifest(dump_dir, ["packed"])
 
     record = load_dump(os.path.join(dump_dir, line["file"]))
     for k, layer_id in enumerate(layer_ids):
