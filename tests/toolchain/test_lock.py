@@ -2,8 +2,10 @@
 
 import pytest
 
+from scripts.paths import REPO_ROOT
 from scripts.toolchain.errors import ToolError
 from scripts.toolchain.lock import load_lock
+from scripts.toolchain.series import load_series
 
 from .helpers import LOGITS_PROCESSOR as LOGITS, MODEL, lock_toml
 
@@ -73,3 +75,16 @@ def test_a_missing_lock_is_a_usage_error(tmp_path):
     with pytest.raises(ToolError, match="is missing") as error:
         load_lock(tmp_path / "sglang.lock")
     assert error.value.exit_code == 2
+
+
+REAL_LOCK = load_lock(REPO_ROOT / "sglang.lock")
+
+
+@pytest.mark.parametrize("version", sorted(REAL_LOCK.releases))
+def test_the_real_lock_pins_every_upstream_file_its_series_changes(version):
+    """A patch added to a series after its port (or by hand) must pin the upstream file it
+    changes, or apply would take a tree whose file differs from the tested one as locked."""
+    release = REAL_LOCK.releases[version]
+    changed = {patched_file.path for patch in load_series(release.series_dir)
+               for patched_file in patch.patchset if not patched_file.is_added_file}
+    assert sorted(changed - set(release.files)) == [], f"add their sha256 to [releases.\"{version}\".files]"
