@@ -1,11 +1,12 @@
 """Generate reduced-layer DeepSeek-V3 models locally: random weights, fixed seed, no model hub.
 
-    python -m scripts.dumps.tiny_model --layers 3 [--no-q-lora] [--widths cpu|deepseek]
+    python -m scripts.dumps.tiny_model --layers 3 [--no-q-lora] [--widths cpu|deepseek] [--kimi-k25]
 
 prints the model folder (cached under .cache/models/). `cpu` widths are the smallest
 that SGLang's CPU path runs; `deepseek` keeps DeepSeek-V3's real attention widths
 (kv_lora_rank 512, qk_rope_head_dim 64), which SGLang's Triton MLA kernels on the GPU
 require, and can take DeepSeek-V3's hidden size for compute-bound benchmarks.
+`--kimi-k25` wraps that model as the text model of a reduced Kimi-K2.5.
 """
 
 import argparse
@@ -112,14 +113,69 @@ def ensure_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
     return path
 
 
+# Kimi-K2.5's vision tower (MoonViT) and projector at their smallest. Text prompts never run
+# them and SGLang loads only the weights a checkpoint holds, so the checkpoint has none.
+# SGLang's tower reads hidden_size, its projector vt_hidden_size (Kimi-K2.5's own name).
+KIMI_VISION = dict(
+    num_hidden_layers=1, hidden_size=64, vt_hidden_size=64, intermediate_size=128,
+    num_attention_heads=2, patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8,
+    init_pos_emb_time=4, merge_kernel_size=[2, 2], mm_hidden_size=64,
+)
+# The media settings of Kimi-K2.5's preprocessor_config.json, on the tower's patches.
+KIMI_MEDIA = dict(
+    patch_size=KIMI_VISION["patch_size"], merge_kernel_size=KIMI_VISION["merge_kernel_size"],
+    in_patch_limit=16384, patch_limit_on_one_side=512, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+)
+KIMI_PROCESSOR = Path(__file__).with_name("tiny_kimi_processor.py")
+
+
+def ensure_kimi_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
+                      hidden_size: Optional[int] = None, cache: Path = MODEL_CACHE) -> Path:
+    """A reduced Kimi-K2.5 (KimiK25ForConditionalGeneration), generated on first use: the
+    tiny DeepSeek-V3 `ensure_model` makes of these arguments as its text model, its weights under
+    `language_model.` as in Kimi-K2.5's checkpoint, a one-layer vision tower, the tiny
+    tokenizer, and a processor of its own (tiny_kimi_processor.py) that SGLang loads with
+    --trust-remote-code, as Kimi-K2.5's."""
+    from scripts.dumps.tiny_tokenizer import write_tokenizer
+
+    text_model = ensure_model(layers, q_lora, widths, hidden_size, cache)
+    path = cache / f"kimi-k25-{text_model.name}"
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return path
+    from safetensors.torch import load_file, save_file
+
+    staging = path.with_name(path.name + ".tmp")
+    staging.mkdir(parents=True, exist_ok=True)
+    weights = {}
+    for file in sorted(text_model.glob("*.safetensors")):
+        weights.update({f"language_model.{name}": tensor for name, tensor in load_file(file).items()})
+    save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+    text_config = json.loads((text_model / "config.json").read_text())
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": text_config, "vision_config": dict(KIMI_VISION, text_hidden_size=text_config["hidden_size"]),
+        "torch_dtype": "bfloat16",
+    }
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(staging)
+    (staging / KIMI_PROCESSOR.name).write_text(KIMI_PROCESSOR.read_text())
+    processor = {"processor_class": "KimiK25Processor", "media_proc_cfg": KIMI_MEDIA,
+                 "auto_map": {"AutoProcessor": f"{KIMI_PROCESSOR.stem}.KimiK25Processor"}}
+    (staging / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    staging.rename(path)
+    return path
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--no-q-lora", action="store_true", help="q_lora_rank unset (DeepSeek-V2-Lite style)")
     parser.add_argument("--widths", choices=sorted(WIDTHS), default="cpu")
     parser.add_argument("--hidden-size", type=int, default=None, help="e.g. 7168, DeepSeek-V3's")
+    parser.add_argument("--kimi-k25", action="store_true", help="a reduced Kimi-K2.5 with that text model")
     args = parser.parse_args(argv)
-    print(ensure_model(args.layers, not args.no_q_lora, args.widths, args.hidden_size))
+    ensure = ensure_kimi_model if args.kimi_k25 else ensure_model
+    print(ensure(args.layers, not args.no_q_lora, args.widths, args.hidden_size))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 import pytest
 
-from scripts.dumps.tiny_model import ensure_model
+from scripts.dumps.tiny_model import ensure_kimi_model, ensure_model
 
 
 @pytest.fixture(scope="session")
@@ -11,3 +11,14 @@ def model_l3():
 @pytest.fixture(scope="session")
 def model_l5_no_q_lora():
     return ensure_model(layers=5, q_lora=False)
+
+
+@pytest.fixture(scope="session")
+def model_l2():
+    return ensure_model(layers=2, q_lora=True)
+
+
+@pytest.fixture(scope="session")
+def kimi_k25_l2():
+    """A reduced Kimi-K2.5 whose text model is model_l2."""
+    return ensure_kimi_model(layers=2, q_lora=True)

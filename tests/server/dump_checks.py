@@ -26,14 +26,16 @@ ROW_TOLERANCE = 0.0 if not has_gpu() else 1e-2
 
 class OracleServer(Server):
     """A server (not started) that dumps into tmp_path/dump while the oracle's hooks record
-    into tmp_path/oracle, its oracle_dir."""
+    into tmp_path/oracle, its oracle_dir, on the decoder at module path `decoder`."""
 
-    def __init__(self, model, tmp_path, num_layers: int, extra_args: Sequence[str] = (), **env):
+    def __init__(self, model, tmp_path, num_layers: int, extra_args: Sequence[str] = (), decoder: str = "model",
+                 **env):
         self.oracle_dir = tmp_path / "oracle"
         self.oracle_dir.mkdir()
+        hooks = oracle_hooks.hook_specs(self.oracle_dir, num_layers, decoder)
         super().__init__(model, tmp_path / "server.log",
                          runtime_env(SGLANG_HS_DUMP_DIR=str(tmp_path / "dump"), **env),
-                         [*extra_args, "--forward-hooks", oracle_hooks.hook_specs(self.oracle_dir, num_layers)])
+                         [*extra_args, "--forward-hooks", hooks])
 
 
 def random_prompts(lengths: Sequence[int], seed: int) -> List[List[int]]:

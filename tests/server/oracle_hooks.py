@@ -8,6 +8,8 @@ different path than the patched capture code:
   entering layer i+1 (SGLang defers the residual add into the next layer's norm); its first
   input is the forward's positions;
 - `model.norm`: the final normed hidden state the LM head reads.
+Those are DeepseekV3ForCausalLM's names; a model that wraps it names its decoder by another
+path (Kimi-K2.5: `language_model.model`).
 
 The hooks of one forward fill one record (embed_tokens runs first, model.norm last), which
 the norm hook saves as `forward.<n>.pt`: {"input_ids", "positions", "0".."L", "last"}, one
@@ -69,10 +71,11 @@ def record_output(config):
     return hook
 
 
-def hook_specs(out_dir: Path, num_layers: int) -> str:
-    """The --forward-hooks JSON; target names are exact (a pattern would match submodules)."""
-    targets = [("embed", "model.embed_tokens", {"kind": "embed"}), ("norm", "model.norm", {"kind": "norm"})]
-    targets += [(f"layer{i}", f"model.layers.{i}", {"kind": "layer", "index": i}) for i in range(num_layers)]
+def hook_specs(out_dir: Path, num_layers: int, decoder: str = "model") -> str:
+    """The --forward-hooks JSON for the decoder at module path `decoder`; target names are
+    exact (a pattern would match submodules)."""
+    targets = [("embed", f"{decoder}.embed_tokens", {"kind": "embed"}), ("norm", f"{decoder}.norm", {"kind": "norm"})]
+    targets += [(f"layer{i}", f"{decoder}.layers.{i}", {"kind": "layer", "index": i}) for i in range(num_layers)]
     return json.dumps([
         {"name": name, "target_modules": [module], "hook_factory": "tests.server.oracle_hooks:record_output",
          "config": {"dir": str(out_dir), **config}}

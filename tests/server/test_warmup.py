@@ -2,6 +2,8 @@
 
 The dumped values must equal SGLang's own computation taken independently (forward hooks,
 tests/server/oracle_hooks.py), and the layer-0 capture transformers' embedding output.
+Kimi-K2.5, the seed's model, serves DeepSeek-V3 inside a multimodal wrapper: its file must
+equal the hooks' and the plain DeepSeek-V3's.
 Negative controls: the naive patch must fail the same warmup check, and invalid settings
 must stop the server at startup with a clear message.
 """
@@ -11,9 +13,11 @@ import random
 import re
 import subprocess
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from sglang.srt.managers.hidden_states_dump import load_dump
 from tests.server import oracle_hooks
@@ -33,10 +37,11 @@ def eagle3_default_layers(num_layers: int):
     return sorted({min(max(i, 0), num_layers) for i in (3, num_layers // 2 + 1, num_layers - 2)})
 
 
-def run_one_prefill(model: Path, tmp_path: Path, num_layers: int, layers_env, prompt_len: int):
+def run_one_prefill(model: Path, tmp_path: Path, num_layers: int, layers_env, prompt_len: int,
+                    extra_args: Sequence[str] = (), decoder: str = "model", **env):
     layers = {} if layers_env is None else {"SGLANG_HS_DUMP_LAYERS": layers_env}
     prompt = random.Random(prompt_len).sample(range(5, 1000), prompt_len)
-    server = OracleServer(model, tmp_path, num_layers, **layers)
+    server = OracleServer(model, tmp_path, num_layers, extra_args, decoder, **layers, **env)
     dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
     with server:
         server.wait_ready()
@@ -89,6 +94,49 @@ def test_default_layers_without_q_lora(model_l5_no_q_lora, tmp_path):
     prompt, dump_dir, manifest, streams = run_one_prefill(
         model_l5_no_q_lora, tmp_path, 5, None, prompt_len=53)
     check_dump(prompt, dump_dir, manifest, streams, eagle3_default_layers(5), hidden_size=256)
+
+
+def kimi_k25_server_settings():
+    """The flags and environment a server of the reduced Kimi-K2.5 needs on this release."""
+    from sglang.srt.server_args import ServerArgs
+
+    # SGLang loads a multimodal model's processor even with --skip-tokenizer-init, and from
+    # 0.5.14 on builds its Kimi-K2.5 one from the checkpoint's processor, which is code in
+    # the checkpoint (scripts/dumps/tiny_kimi_processor.py), as Kimi-K2.5's own is.
+    extra_args = ["--trust-remote-code"]
+    env = {}
+    # 0.5.9 refuses every multimodal model on torch 2.9.1 with a cuDNN older than 9.15 (a
+    # Conv3d slowdown in vision towers), even on the CPU; later releases have no such check.
+    if hasattr(ServerArgs, "check_torch_2_9_1_cudnn_compatibility"):
+        env["SGLANG_DISABLE_CUDNN_CHECK"] = "1"
+    return extra_args, env
+
+
+def test_kimi_k25_dumps_its_text_model(kimi_k25_l2, model_l2, tmp_path):
+    """KimiK25ForConditionalGeneration builds DeepseekV3ForCausalLM from config.text_config as
+    its `language_model` and runs it on input embeddings (general_mm_embed_routine), not token
+    ids. The default ids come from the text model's L=2 layers ([0, 2]; the one-layer vision
+    tower's would be [0, 1]), so the file holds the embeddings the wrapper passed in and the
+    last layer's output. It equals the hooks' values, and bit for bit the file of the plain
+    DeepSeek-V3 model whose weights the text model has, for the same prompt."""
+    layers = eagle3_default_layers(2)
+    assert layers == [0, 2]
+    extra_args, env = kimi_k25_server_settings()
+    (tmp_path / "kimi").mkdir()
+    prompt, dump_dir, manifest, streams = run_one_prefill(
+        kimi_k25_l2, tmp_path / "kimi", 2, None, prompt_len=41,
+        extra_args=extra_args, decoder="language_model.model", **env)
+    kimi = check_dump(prompt, dump_dir, manifest, streams, layers, hidden_size=256)
+    embedding = load_file(kimi_k25_l2 / "model.safetensors")["language_model.model.embed_tokens.weight"]
+    assert torch.equal(kimi.hidden_states[:, layers.index(0)], embedding[prompt])
+
+    (tmp_path / "plain").mkdir()
+    plain_prompt, plain_dir, plain_manifest, _ = run_one_prefill(model_l2, tmp_path / "plain", 2, None, prompt_len=41)
+    plain = load_dump(str(plain_dir / plain_manifest[0]["file"]))
+    assert plain_prompt == prompt and plain.layer_ids == kimi.layer_ids
+    assert torch.equal(kimi.token_ids, plain.token_ids)
+    assert torch.equal(kimi.hidden_states, plain.hidden_states)
+    assert torch.equal(kimi.last_hidden_state, plain.last_hidden_state)
 
 
 @pytest.fixture
