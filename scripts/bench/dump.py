@@ -48,11 +48,11 @@ PRESETS = {
     "cpu": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=3, server_args=SERVER_ARGS,
                 lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
-    # Up to four servers share the GPU. Prefill batches of 256 x 512 tokens exceed the
+    # Up to five servers share the GPU. Prefill batches of 256 x 512 tokens exceed the
     # prefill CUDA graphs' token limit, so graphs would only serve warmup; off, servers
     # start in a third of the time.
     "gpu": dict(model=dict(layers=4, widths="deepseek", hidden_size=7168), prompts=256, prompt_len=512,
-                repeats=5, server_args=SERVER_ARGS + ("--mem-fraction-static", "0.2", "--max-total-tokens", "262144",
+                repeats=5, server_args=SERVER_ARGS + ("--mem-fraction-static", "0.15", "--max-total-tokens", "262144",
                                                           "--disable-cuda-graph"),
                 lengths=(128, 512, 2048, 8192), layer_counts=(1, 4), hidden_prompts=64, tmpfs_dir="/dev/shm"),
 }
@@ -79,15 +79,22 @@ def tmpfs_holds_a_round(model, preset) -> bool:
 def suite_prefill(run: BenchRun) -> dict:
     preset, work = run.preset, run.work
     dumps = {"upstream": None, "patched, dump off": None, "patched, dump on": work / "dump-prefill"}
+    encodings = {}  # SGLANG_HS_DUMP_DTYPE of a contender, where it sets one
     if tmpfs_holds_a_round(run.model, preset):
         dumps["patched, dump on (tmpfs)"] = Path(tempfile.mkdtemp(prefix="dump-prefill-", dir=preset["tmpfs_dir"]))
+        # Half the bytes: a byte rate the filesystem takes, where dumping can be free.
+        dumps["patched, dump on (tmpfs, fp8)"] = Path(tempfile.mkdtemp(prefix="dump-fp8-", dir=preset["tmpfs_dir"]))
+        encodings["patched, dump on (tmpfs, fp8)"] = "fp8"
     servers = {}
     for index, (name, dump_dir) in enumerate(dumps.items()):
         env = {"SGLANG_HS_DUMP_DIR": str(dump_dir)} if dump_dir else {}
+        if name in encodings:
+            env["SGLANG_HS_DUMP_DTYPE"] = encodings[name]
         servers[name] = run.start_server(f"prefill-{index}", env, tree=upstream_tree() if name == "upstream" else None)
     tokens = preset["prompts"] * preset["prompt_len"]
     names = list(servers)
     seconds = {name: [] for name in names}
+    landed = {name: [] for name in names if dumps[name]}  # bytes of each round's files
 
     def result(rss=None) -> dict:
         rounds = min(len(values) for values in seconds.values())
@@ -98,6 +105,8 @@ def suite_prefill(run: BenchRun) -> dict:
             ratios[f"{name.replace('patched, ', '')} / dump off"] = [o / d for o, d in zip(off, per_round[name])]
         return {"prompt_tokens_per_s": {name: summary([tokens / s for s in values]) for name, values in per_round.items()},
                 "throughput_ratio": {name: summary(values) for name, values in ratios.items()},
+                "landed_bytes_per_s": {name: summary([b / s for b, s in zip(landed[name], per_round[name])])
+                                       for name in landed if landed[name][:rounds]},
                 "rounds": rounds, "server_rss_kib": rss,
                 "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens, 1 output token; "
                             f"dump files removed after each round"}
@@ -118,6 +127,8 @@ def suite_prefill(run: BenchRun) -> dict:
             order = names[round_index % len(names):] + names[: round_index % len(names)]
             for name in order:
                 seconds[name].append(send_and_land(servers[name], prompts, dumps[name]))
+                if dumps[name]:
+                    landed[name].append(sum(p.stat().st_size for p in dumps[name].glob("*.safetensors")))
                 clear_files(dumps[name])
             run.checkpoint(result())
             run.progress(f"prefill: round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.2f}s" for n, s in seconds.items()))
