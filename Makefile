@@ -26,7 +26,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches port port-continue port-skip port-abort test test-tools test-warmup test-unit test-server test-release demo generate bench bench-writer clean
+.PHONY: help tools runtime apply verify revert refresh-patches port port-continue port-skip port-abort test test-tools test-warmup test-unit test-server test-release demo generate bench bench-generate bench-writer clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -117,6 +117,10 @@ BENCH_SUITES ?= prefill hidden write scaling
 bench: apply runtime ## benchmarks (scripts/bench/dump.py) into results/bench-<host kind>-<version>.json; see BENCHMARKS.md
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.dump $(foreach suite,$(BENCH_SUITES),--suite $(suite)) \
 		--out results/bench-$(if $(shell command -v nvidia-smi),gpu,cpu)-$(VERSION).json
+
+bench-generate: apply runtime ## the generate command vs the raw concurrent sender on one server (scripts/bench/generate.py) into results/bench-generate-<host kind>-<version>.json
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.generate --rounds 8 --conversations 96 \
+		--out results/bench-generate-$(if $(shell command -v nvidia-smi),gpu,cpu)-$(VERSION).json
 
 BENCH_DIR ?= .cache/bench-writer
 bench-writer: apply runtime ## the dump writer alone vs dd on BENCH_DIR's filesystem (scripts/bench/writer.py) into results/bench-writer-<host kind>.json
