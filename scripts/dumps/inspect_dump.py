@@ -35,7 +35,7 @@ def check_entry(dump_dir: Path, entry: dict) -> List[str]:
     if not path.is_file():
         return [f"{entry['file']}: missing"]
     try:
-        record = load_dump(str(path))
+        record = load_dump(str(path), raw=True)  # as stored: the manifest names the stored dtype
     except Exception as e:
         return [f"{entry['file']}: does not load: {e}"]
     num_tokens, num_layers, hidden_size = record.hidden_states.shape

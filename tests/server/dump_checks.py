@@ -1,16 +1,17 @@
-"""What the server tests of the dump share: workloads, the comparison of a file with the
-oracle, and reading the dump's counters from the server log."""
+"""What the server tests of the dump share: workloads, one prefill with the oracle's hooks,
+the comparison of a file with the oracle, and reading the dump's counters from the server log."""
 
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from sglang.srt.managers.hidden_states_dump import DumpCounters, DumpRecord
-from scripts.dumps.server import Server, has_gpu, runtime_env
+from scripts.dumps.server import Server, has_gpu, runtime_env, wait_for_manifest
 from tests.server import oracle_hooks
 
 VOCAB_SIZE = 1024  # scripts.dumps.tiny_model
@@ -95,3 +96,22 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.float(), expected.float()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def run_one_prefill(model: Path, tmp_path: Path, num_layers: int, layers_env, prompt_len: int,
+                    extra_args: Sequence[str] = (), decoder: str = "model", **env):
+    layers = {} if layers_env is None else {"SGLANG_HS_DUMP_LAYERS": layers_env}
+    prompt = random.Random(prompt_len).sample(range(5, 1000), prompt_len)
+    server = OracleServer(model, tmp_path, num_layers, extra_args, decoder, **layers, **env)
+    dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
+    with server:
+        server.wait_ready()
+        assert not (dump_dir / "manifest.jsonl").exists(), "the server's warmup request was dumped"
+        server.generate(prompt, max_new_tokens=2)
+        manifest = wait_for_manifest(dump_dir, 1)
+    return prompt, dump_dir, manifest, oracle_hooks.residual_streams(oracle_dir, num_layers, prompt_len)

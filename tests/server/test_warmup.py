@@ -9,46 +9,24 @@ must stop the server at startup with a clear message.
 """
 
 import os
-import random
 import re
 import subprocess
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from sglang.srt.managers.hidden_states_dump import load_dump
-from tests.server import oracle_hooks
-from tests.server.dump_checks import OracleServer
+from tests.server.dump_checks import relative_error, run_one_prefill
 from scripts.paths import REPO_ROOT
-from scripts.dumps.server import Server, ServerFailed, runtime_env, wait_for_manifest
+from scripts.dumps.server import Server, ServerFailed, runtime_env
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.float(), expected.float()
-    return ((actual - expected).norm() / expected.norm()).item()
-
-
 def eagle3_default_layers(num_layers: int):
     return sorted({min(max(i, 0), num_layers) for i in (3, num_layers // 2 + 1, num_layers - 2)})
-
-
-def run_one_prefill(model: Path, tmp_path: Path, num_layers: int, layers_env, prompt_len: int,
-                    extra_args: Sequence[str] = (), decoder: str = "model", **env):
-    layers = {} if layers_env is None else {"SGLANG_HS_DUMP_LAYERS": layers_env}
-    prompt = random.Random(prompt_len).sample(range(5, 1000), prompt_len)
-    server = OracleServer(model, tmp_path, num_layers, extra_args, decoder, **layers, **env)
-    dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
-    with server:
-        server.wait_ready()
-        assert not (dump_dir / "manifest.jsonl").exists(), "the server's warmup request was dumped"
-        server.generate(prompt, max_new_tokens=2)
-        manifest = wait_for_manifest(dump_dir, 1)
-    return prompt, dump_dir, manifest, oracle_hooks.residual_streams(oracle_dir, num_layers, prompt_len)
 
 
 def check_dump(prompt, dump_dir, manifest, streams, layers, hidden_size):
@@ -175,6 +153,7 @@ def test_naive_patch_fails_on_a_deeper_model_with_upstreams_packer(model_l5_no_q
     [
         ("SGLANG_HS_DUMP_LAYERS", "1,4", r"\[4\] out of range; the model has L=3 layers, so valid ids are 0..3"),
         ("SGLANG_HS_DUMP_DIR", "{tmp}/a-file/dump", "is not a writable directory"),
+        ("SGLANG_HS_DUMP_DTYPE", "int4", r"SGLANG_HS_DUMP_DTYPE='int4': use one of bf16, fp8"),
     ],
 )
 def test_invalid_settings_stop_the_server_at_startup(model_l3, tmp_path, variable, value, message):
