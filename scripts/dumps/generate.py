@@ -163,6 +163,7 @@ class Generation:
         self.last_answer = time.monotonic()
         self.stopping = threading.Event()
         self.unreachable = threading.Event()  # a sample ran out of retries: the rest would too
+        self.draining = threading.Event()  # every sample sent or answered: waiting for manifest lines
         self.tally = Tally()
         self.bar = None
         self.started = time.monotonic()
@@ -183,11 +184,16 @@ class Generation:
     def _follow_manifest(self) -> None:
         seen_lines = -1
         while not self.stopping.is_set():
+            started = time.monotonic()
             lines = manifest_lines(self.out)
             if lines != seen_lines:
                 seen_lines = lines
                 self._poll_manifest()
-            time.sleep(0.05)
+            # Reading the manifest costs more as it grows. While samples are still being
+            # sent, a late samples line costs nothing (answers free the slots): poll rarely.
+            # At the end, every sample waits for its line: poll often.
+            spent = time.monotonic() - started
+            time.sleep(max(0.005, 2 * spent) if self.draining.is_set() else max(0.05, 50 * spent))
 
     # -- outcomes (called with self.lock held) --------------------------------------------
 
@@ -334,6 +340,7 @@ class Generation:
                         continue
                 slots.acquire()
                 pool.submit(send, prepared)
+        self.draining.set()
         self._wait_for_manifest()
         self.stopping.set()
         follower.join()
@@ -356,7 +363,7 @@ class Generation:
             if self._server_gone():
                 self._poll_manifest()
                 return
-            time.sleep(0.05)
+            time.sleep(0.005)
 
 
 def report(tally: Tally, out: Path, seconds: float, server_exit: Optional[int]) -> str:
