@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
-from sglang.srt.managers.hidden_states_dump import MANIFEST_FILE, TEMP_PREFIX, load_dump, read_manifest
+from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
 
 
 @dataclass
@@ -66,10 +66,9 @@ def summarise(dump_dir: Path) -> Summary:
         path = dump_dir / entry["file"]
         summary.bytes += path.stat().st_size if path.is_file() else 0
         summary.problems += check_entry(dump_dir, entry)
-    summary.unlisted = sorted(
-        p.name for p in dump_dir.iterdir()
-        if p.name not in listed and not MANIFEST_FILE.match(p.name) and not p.name.startswith(TEMP_PREFIX)
-    )
+    # Dump files no manifest names (a server killed between the rename and the manifest
+    # line); other files (the generate command's samples, logs) are not the dump's.
+    summary.unlisted = sorted(p.name for p in dump_dir.glob("*.safetensors") if p.name not in listed)
     return summary
 
 
