@@ -1,6 +1,7 @@
 """What the server tests of the dump share: workloads, one prefill with the oracle's hooks,
 the comparison of a file with the oracle, and reading the dump's counters from the server log."""
 
+import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,8 @@ from sglang.srt.managers.hidden_states_dump import DumpCounters, DumpRecord
 from scripts.dumps.server import Server, has_gpu, runtime_env, wait_for_manifest
 from tests.server import oracle_hooks
 
+# The release under test: upstream's behaviour around the dump differs between releases.
+RELEASE = tuple(int(part) for part in os.environ["SGLANG_VERSION"].split("."))
 VOCAB_SIZE = 1024  # scripts.dumps.tiny_model
 # Every generated token is this one (a logit bias), and no prompt holds it: a decode row is
 # never mistaken for a prompt row by the oracle.
