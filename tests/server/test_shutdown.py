@@ -15,7 +15,7 @@ from tests.server.dump_checks import generate_body, random_prompts, wait_until
 from tests.server.fault_hooks import stall_writer_spec
 
 REQUESTS = 6
-DRAINING = "hidden states dump: terminating; writing"
+DRAINING = "hidden states dump: exiting; writing"
 
 
 def stalled_server(model, tmp_path, drain_timeout_s: float) -> Server:

@@ -37,6 +37,7 @@ import importlib.util
 import json
 import logging
 import math
+import multiprocessing.util
 import os
 import queue
 import re
@@ -647,7 +648,7 @@ def _remove_quietly(path: str) -> None:
 def drain_before_kill(processes) -> None:
     """Called by the server before it kills its processes (SIGTERM, SIGINT, its own
     shutdown): asks them to terminate, which a writing scheduler does only once it has
-    written what it holds (see drain_on_termination), and waits for them at most
+    written what it holds (see drain_at_exit), and waits for them at most
     SGLANG_HS_DUMP_DRAIN_TIMEOUT_S seconds. The caller kills what is left."""
     if not dump_enabled() or not processes:
         return
@@ -662,19 +663,22 @@ def drain_before_kill(processes) -> None:
     psutil.wait_procs(processes, timeout=envs.SGLANG_HS_DUMP_DRAIN_TIMEOUT_S.get() + 5)
 
 
-def drain_on_termination(writer: DumpWriter) -> None:
-    """On SIGTERM, write every request already queued (at most
-    SGLANG_HS_DUMP_DRAIN_TIMEOUT_S seconds), log what could not be written, then
-    terminate as before."""
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread
-    previous = signal.getsignal(signal.SIGTERM)
+def drain_at_exit(writer: DumpWriter) -> None:
+    """Write every request already queued before the process goes, at most
+    SGLANG_HS_DUMP_DRAIN_TIMEOUT_S seconds, and log what could not be written. Two ways
+    out lead here: SIGTERM (the server terminating its processes, drain_before_kill) and
+    a scheduler's own return from its event loop (from 0.5.14 a ShutdownReq ends it; the
+    writer's daemon threads would end with the process)."""
+    draining = threading.Event()
 
-    def drain_then_terminate(signum, frame):
+    def drain_and_log():
+        if draining.is_set():
+            return
+        draining.set()
         timeout = envs.SGLANG_HS_DUMP_DRAIN_TIMEOUT_S.get()
         queued = writer.queue.unfinished_tasks
         logger.info(
-            f"hidden states dump: terminating; writing {queued} queued requests "
+            f"hidden states dump: exiting; writing {queued} queued requests "
             f"(at most {timeout:g} s)"
         )
         left = writer.drain(timeout)
@@ -688,6 +692,17 @@ def drain_on_termination(writer: DumpWriter) -> None:
                 f"hidden states dump: wrote the {queued} queued requests before exiting; "
                 f"{writer.counters().line()}"
             )
+
+    # Run by multiprocessing when a child process (a scheduler) returns normally.
+    multiprocessing.util.Finalize(None, drain_and_log, exitpriority=100)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def drain_then_terminate(signum, frame):
+        if draining.is_set():
+            return  # a drain is under way in this thread: let it finish
+        drain_and_log()
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -784,7 +799,7 @@ class HiddenStatesDumper:
                 or default_writer_threads(),
                 manifest_name=manifest,
             )
-            drain_on_termination(self._writer)
+            drain_at_exit(self._writer)
             eager = (
                 "; prefills with dumped requests run without prefill CUDA graphs"
                 if prefill_graphs_run_dumps_eagerly()
