@@ -22,7 +22,6 @@ first file in the manifest; OUT_DIR/export.jsonl maps each row back to its rid. 
 written under temporary names and renamed.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -32,7 +31,7 @@ from typing import List, Optional
 import torch
 
 from sglang.srt.managers.hidden_states_dump import load_dump
-from scripts.dumps.samples import layer_columns, parse_layers, training_samples
+from scripts.dumps.samples import export_command, layer_columns, training_samples
 from scripts.toolchain.errors import USAGE, ToolError
 
 HIDDEN_STATES_DIR = "hidden_states"
@@ -98,24 +97,8 @@ def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dump_dir", type=Path)
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--samples", type=Path, help="the samples file (default: DUMP_DIR/samples.jsonl when there is one)")
-    parser.add_argument("--layers", help="the dumped layer ids to export before the last layer, in order "
-                                         "(default: every dumped layer but the last)")
-    args = parser.parse_args(argv)
-    try:
-        if not args.dump_dir.is_dir():
-            raise ToolError(f"{args.dump_dir} is not a directory", USAGE)
-        if args.samples and not args.samples.is_file():
-            raise ToolError(f"--samples {args.samples}: no such file", USAGE)
-        count = export(args.dump_dir, args.out_dir, args.samples, parse_layers(args.layers))
-    except ToolError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    print(f"exported {count} samples from {args.dump_dir} to {args.out_dir} (speculators' --data-path)")
-    return 0
+    return export_command(argv, __doc__, export, "the dumped layer ids to export before the last layer, in order (default: every dumped layer but the last)",
+                          " (speculators' --data-path)")
 
 
 if __name__ == "__main__":
