@@ -52,16 +52,19 @@ def sync_checkout(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
     returns the paths that changed. Commits after it must not touch the file."""
     repo = git.Repo(tree.root)
     prefix = tree.package_root.relative_to(tree.root)
+    # Each patch commit's changed paths, and whether it adds them, read once.
+    changes = [(commit, _changes(commit)) for commit in patch_commits(tree)]
     changed = []
     for path, data in overlay.items():
         repo_path = (prefix / path).as_posix()
-        touching = [c for c in patch_commits(tree) if repo_path in _paths_changed(c)]
-        if not touching or not _adds(touching[0], repo_path):
+        touching = [(commit, adds) for commit, adds in changes if repo_path in adds]
+        if not touching or not touching[0][1][repo_path]:
             continue
+        adding = touching[0][0]
         if len(touching) > 1:
             raise ToolError(
                 f"{repo_path} comes from {OVERLAY_DIR}/, but commits after the one that adds it "
-                f"change it too ({', '.join(c.summary for c in touching[1:])}): edit "
+                f"change it too ({', '.join(commit.summary for commit, _ in touching[1:])}): edit "
                 f"{OVERLAY_DIR}/{path} instead and drop those changes."
             )
         full = tree.root / repo_path
@@ -69,7 +72,7 @@ def sync_checkout(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
             continue
         full.write_bytes(data)
         repo.index.add([repo_path])
-        repo.index.commit(f"fixup! {touching[0].summary}", author=AUTHOR, committer=AUTHOR)
+        repo.index.commit(f"fixup! {adding.summary}", author=AUTHOR, committer=AUTHOR)
         changed.append(path)
     if changed:
         with repo.git.custom_environment(GIT_SEQUENCE_EDITOR="true", GIT_COMMITTER_NAME=AUTHOR.name,
@@ -78,9 +81,6 @@ def sync_checkout(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
     return changed
 
 
-def _paths_changed(commit: git.Commit) -> List[str]:
-    return [diff.b_path or diff.a_path for diff in commit.parents[0].diff(commit)]
-
-
-def _adds(commit: git.Commit, repo_path: str) -> bool:
-    return any(diff.new_file and diff.b_path == repo_path for diff in commit.parents[0].diff(commit))
+def _changes(commit: git.Commit) -> Dict[str, bool]:
+    """The paths a commit changes, each mapped to whether the commit adds it."""
+    return {diff.b_path or diff.a_path: diff.new_file for diff in commit.parents[0].diff(commit)}
