@@ -11,16 +11,16 @@ holds
                        layer's output before the final norm)
     last_hidden_state  [T, H]: the final normed state the LM head reads
 
-With SGLANG_HS_DUMP_DTYPE=fp8 both state tensors are float8 e4m3, each row scaled by its
-own amax (hidden_states_scale [T, K] and last_hidden_state_scale [T], float32): about half
-the bytes. The metadata's `encoding` says which; load_dump dequantizes by default.
-
 and then one line is appended to the writer's manifest in <dir>: manifest.jsonl, or
 manifest-dp<k>.jsonl for data-parallel rank k > 0, so that writers sharing a directory
 never append to, or repair, one another's file; read_manifest reads them all as one. A
 file is written under a temporary name and renamed once complete, and its manifest line
 follows the rename, so every manifest line names a complete file. File names never
 derive from request ids.
+
+With SGLANG_HS_DUMP_DTYPE=fp8 both state tensors are float8 e4m3, each row scaled by its
+own amax (hidden_states_scale [T, K] and last_hidden_state_scale [T], float32): about half
+the bytes. The metadata's `encoding` says which; load_dump dequantizes by default.
 
 One source for every release the series supports: what differs between releases is
 found at runtime (feature checks on the server arguments and on upstream modules), never
@@ -260,6 +260,16 @@ def check_dump_dir(dump_dir: str) -> None:
         )
 
 
+# The tensors of a file, in file order (the scales only in fp8 files).
+FILE_TENSORS = (
+    "token_ids",
+    "hidden_states",
+    "last_hidden_state",
+    "hidden_states_scale",
+    "last_hidden_state_scale",
+)
+
+
 @dataclass
 class HostRows:
     """Rows of one forward on their way to the host; valid once `ready` has completed.
@@ -279,15 +289,6 @@ class HostRows:
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
-
-
-FILE_TENSORS = (
-    "token_ids",
-    "hidden_states",
-    "last_hidden_state",
-    "hidden_states_scale",
-    "last_hidden_state_scale",
-)
 
 
 @dataclass
