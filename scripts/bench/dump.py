@@ -12,6 +12,14 @@ Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - write: the dump's write bandwidth vs `dd` to the same filesystem, and server RSS with
   dumping on vs off.
 - scaling: dump cost vs prompt length and vs number of captured layers.
+- fp8: fp8 storage against the bf16 dump of the same prompts (every layer): per-layer
+  relative error of each token's row, the floor of two bf16 dumps, and the bytes.
+- profile: the prefill workload on one dumping server run under py-spy: where the
+  scheduler's and the writer threads' CPU time goes (scripts/bench/profile.py).
+
+Every dumping server logs its dump timings as it exits (DumpTimings: scheduler time taking
+rows and blocked on a full queue, writer time waiting for copies, writing, and taking its
+turn in the manifest); the prefill and profile suites report them as shares of the measured time.
 
 Ratios are reported with min/median/max over the repeats. Results are saved after every
 round; `--deadline-s` stops starting rounds (at least one runs) when time is short.
@@ -22,16 +30,23 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
+import signal
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional, Tuple
 
-from scripts.bench.measure import clear_files, dd_rate, filesystem, prompts_for, send_all, send_and_land, summary
+from scripts.bench.measure import (clear_files, dd_rate, filesystem, prompts_for, send_all, send_and_land,
+                                   send_and_land_split, summary)
+from scripts.bench.profile import read_stacks, summarize
 from scripts.bench.run import BenchRun, total_rss_kib
-from scripts.dumps.server import Server, has_gpu
+from scripts.dumps.server import Server, child_pids, has_gpu
 from scripts.dumps.tiny_model import ensure_model
 
 # Every contender prefills whole prompts. A dumped prompt never matches a cached prefix; the
@@ -46,15 +61,21 @@ SERVER_ARGS = NO_PREFIX_CACHE + ("--sleep-on-idle",)
 PRESETS = {
     # 2 CPU cores: small enough to finish in minutes.
     "cpu": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=3, server_args=SERVER_ARGS,
-                lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8),
+                lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8, fidelity_prompts=4),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
     # Up to five servers share the GPU. Prefill batches of 256 x 512 tokens exceed the
     # prefill CUDA graphs' token limit, so graphs would only serve warmup; off, servers
     # start in a third of the time.
-    "gpu": dict(model=dict(layers=4, widths="deepseek", hidden_size=7168), prompts=256, prompt_len=512,
-                repeats=5, server_args=SERVER_ARGS + ("--mem-fraction-static", "0.15", "--max-total-tokens", "262144",
+    # Up to seven servers share the GPU. Each prefill contender also dumps to the tmpfs with
+    # one setting changed (tmpfs_variants): the levers measured one at a time.
+    "gpu": dict(model=dict(layers=4, widths="deepseek", hidden_size=7168), prompts=512, prompt_len=512,
+                repeats=5, server_args=SERVER_ARGS + ("--mem-fraction-static", "0.11", "--max-total-tokens", "262144",
                                                           "--disable-cuda-graph"),
-                lengths=(128, 512, 2048, 8192), layer_counts=(1, 4), hidden_prompts=64, tmpfs_dir="/dev/shm"),
+                lengths=(128, 512, 2048, 8192), layer_counts=(1, 4), hidden_prompts=64, fidelity_prompts=16,
+                tmpfs_dir="/dev/shm",
+                tmpfs_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"},
+                                "1 layer": {"SGLANG_HS_DUMP_LAYERS": "3"},
+                                "16 writer threads": {"SGLANG_HS_DUMP_WRITER_THREADS": "16"}}),
 }
 
 
@@ -76,27 +97,56 @@ def tmpfs_holds_a_round(model, preset) -> bool:
     return shutil.disk_usage(preset["tmpfs_dir"]).free > 2 * round_bytes
 
 
-def suite_prefill(run: BenchRun) -> dict:
-    preset, work = run.preset, run.work
-    dumps = {"upstream": None, "patched, dump off": None, "patched, dump on": work / "dump-prefill"}
-    encodings = {}  # SGLANG_HS_DUMP_DTYPE of a contender, where it sets one
+def prefill_contenders(run: BenchRun) -> Dict[str, Tuple[Optional[Path], Dict[str, str]]]:
+    """Each prefill contender's dump directory (None: it does not dump) and environment."""
+    preset = run.preset
+    contenders = {"upstream": (None, {}), "patched, dump off": (None, {}),
+                  "patched, dump on": (run.work / "dump-prefill", {})}
     if tmpfs_holds_a_round(run.model, preset):
-        dumps["patched, dump on (tmpfs)"] = Path(tempfile.mkdtemp(prefix="dump-prefill-", dir=preset["tmpfs_dir"]))
-        # Half the bytes: a byte rate the filesystem takes, where dumping can be free.
-        dumps["patched, dump on (tmpfs, fp8)"] = Path(tempfile.mkdtemp(prefix="dump-fp8-", dir=preset["tmpfs_dir"]))
-        encodings["patched, dump on (tmpfs, fp8)"] = "fp8"
+        # Memory takes bytes faster than the disk: what is left is the server's own cost.
+        variants = {"": {}, **{f", {label}": env for label, env in preset.get("tmpfs_variants", {}).items()}}
+        for index, (label, env) in enumerate(variants.items()):
+            dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{index}-", dir=preset["tmpfs_dir"]))
+            contenders[f"patched, dump on (tmpfs{label})"] = (dump_dir, env)
+    return contenders
+
+
+def dump_profile(server: Server, seconds: float) -> Optional[dict]:
+    """Where a dumping server's dump time went (its timings line at exit), as shares of
+    the `seconds` it was measured for; writer shares are per writer thread."""
+    from sglang.srt.managers.hidden_states_dump import DumpCounters, DumpTimings
+
+    log = server.log()
+    timings, counters = DumpTimings.parse(log), DumpCounters.parse(log)
+    threads = re.findall(r"writer_threads=(\d+)", log)
+    if timings is None or counters is None or not threads:
+        return None
+    writer_seconds = seconds * int(threads[-1])
+    return {"timings_ms": asdict(timings), "counters": asdict(counters), "writer_threads": int(threads[-1]),
+            "measured_s": round(seconds, 2),
+            "scheduler_share": {"capture": timings.capture_ms / 1000 / seconds,
+                                "blocked_on_full_queue": timings.blocked_ms / 1000 / seconds},
+            "writer_share": {"waiting_for_copies": timings.copy_wait_ms / 1000 / writer_seconds,
+                             "writing": timings.write_ms / 1000 / writer_seconds,
+                             "manifest_turn_rename_and_line": timings.manifest_ms / 1000 / writer_seconds}}
+
+
+def suite_prefill(run: BenchRun) -> dict:
+    preset = run.preset
+    contenders = prefill_contenders(run)
+    dumps = {name: dump_dir for name, (dump_dir, _) in contenders.items()}
     servers = {}
-    for index, (name, dump_dir) in enumerate(dumps.items()):
-        env = {"SGLANG_HS_DUMP_DIR": str(dump_dir)} if dump_dir else {}
-        if name in encodings:
-            env["SGLANG_HS_DUMP_DTYPE"] = encodings[name]
+    for index, (name, (dump_dir, env)) in enumerate(contenders.items()):
+        env = dict(env, SGLANG_HS_DUMP_DIR=str(dump_dir)) if dump_dir else env
         servers[name] = run.start_server(f"prefill-{index}", env, tree=upstream_tree() if name == "upstream" else None)
     tokens = preset["prompts"] * preset["prompt_len"]
     names = list(servers)
     seconds = {name: [] for name in names}
+    responded = {name: [] for name in names}  # seconds to the round's last response
+    measured = {name: 0.0 for name in names}  # every timed send, warm-up included
     landed = {name: [] for name in names if dumps[name]}  # bytes of each round's files
 
-    def result(rss=None) -> dict:
+    def result(rss=None, profiles=None) -> dict:
         rounds = min(len(values) for values in seconds.values())
         per_round = {name: values[:rounds] for name, values in seconds.items()}
         off = per_round["patched, dump off"]
@@ -107,7 +157,10 @@ def suite_prefill(run: BenchRun) -> dict:
                 "throughput_ratio": {name: summary(values) for name, values in ratios.items()},
                 "landed_bytes_per_s": {name: summary([b / s for b, s in zip(landed[name], per_round[name])])
                                        for name in landed if landed[name][:rounds]},
-                "rounds": rounds, "server_rss_kib": rss,
+                # What a sustained load would see: the round without the last forward's files.
+                "prompt_tokens_per_s_to_last_response": {name: summary([tokens / s for s in values[:rounds]])
+                                                         for name, values in responded.items() if dumps[name]},
+                "rounds": rounds, "server_rss_kib": rss, "dump_profile": profiles,
                 "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens, 1 output token; "
                             f"dump files removed after each round"}
 
@@ -115,8 +168,8 @@ def suite_prefill(run: BenchRun) -> dict:
         for server in servers.values():
             server.wait_ready()
         run.progress(f"prefill: {len(servers)} servers ready")
-        for name in names:  # one untimed round each: compile caches, allocator warm-up
-            send_and_land(servers[name], prompts_for(8, preset["prompt_len"], seed=99), dumps[name])
+        for name in names:  # one round each not in the results: compile caches, allocator warm-up
+            measured[name] += send_and_land(servers[name], prompts_for(8, preset["prompt_len"], seed=99), dumps[name])
             clear_files(dumps[name])
         for round_index in range(preset["repeats"]):
             if round_index and run.out_of_time():
@@ -126,7 +179,10 @@ def suite_prefill(run: BenchRun) -> dict:
             prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=1000 + round_index)
             order = names[round_index % len(names):] + names[: round_index % len(names)]
             for name in order:
-                seconds[name].append(send_and_land(servers[name], prompts, dumps[name]))
+                to_response, to_land = send_and_land_split(servers[name], prompts, dumps[name])
+                seconds[name].append(to_land)
+                responded[name].append(to_response)
+                measured[name] += to_land
                 if dumps[name]:
                     landed[name].append(sum(p.stat().st_size for p in dumps[name].glob("*.safetensors")))
                 clear_files(dumps[name])
@@ -135,8 +191,8 @@ def suite_prefill(run: BenchRun) -> dict:
         rss = {name: total_rss_kib(server) for name, server in servers.items()}
     finally:
         for server in servers.values():
-            server.stop()
-    return result(rss)
+            server.stop()  # a dumping server logs its timings as it exits
+    return result(rss, {name: dump_profile(servers[name], measured[name]) for name in names if dumps[name]})
 
 
 def suite_hidden(run: BenchRun) -> dict:
@@ -273,7 +329,138 @@ def _time_ratio(run: BenchRun, base: Server, dumping: Server, dump_dir: Path, le
     return {"prompts": count, "tokens": count * length, "ratio_on_over_off_time": summary([a / b for a, b in zip(on, off)])}
 
 
-SUITES = {"prefill": suite_prefill, "hidden": suite_hidden, "write": suite_write, "scaling": suite_scaling}
+def suite_fp8(run: BenchRun) -> dict:
+    """fp8 storage against the bf16 dump of the same prompts on the same model: the relative
+    error of each token's row, per captured layer (every layer of the model), and the bytes.
+    A second bf16 dump of the same prompts gives the floor: two forwards of one prompt need
+    not agree to the bit (other batches, other kernels)."""
+    import torch
+    from sglang.srt.managers.hidden_states_dump import dequantize_rows, load_dump, read_manifest
+
+    preset = run.preset
+    num_layers = json.loads((run.model / "config.json").read_text())["num_hidden_layers"]
+    layers = list(range(1, num_layers + 1))
+    dirs = {encoding: run.work / f"dump-{encoding}" for encoding in ("bf16", "fp8")}
+    servers = {encoding: run.start_server(f"fp8-{encoding}", {"SGLANG_HS_DUMP_DIR": str(dump_dir),
+                                                              "SGLANG_HS_DUMP_DTYPE": encoding,
+                                                              "SGLANG_HS_DUMP_LAYERS": ",".join(map(str, layers))})
+               for encoding, dump_dir in dirs.items()}
+    prompts = prompts_for(preset["fidelity_prompts"], preset["prompt_len"], seed=6000)
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        for encoding, server in servers.items():
+            send_and_land(server, prompts, dirs[encoding])
+        send_and_land(servers["bf16"], prompts, dirs["bf16"])  # the floor's second dump
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    def states(encoding) -> Dict[Tuple[int, ...], List[dict]]:
+        """Per prompt (its token ids), each of its dumps as float32 [T, K + 1, H]."""
+        by_prompt = {}
+        for line in read_manifest(str(dirs[encoding])):
+            record = load_dump(str(dirs[encoding] / line["file"]), raw=True)
+            hidden, last = record.hidden_states, record.last_hidden_state
+            if record.hidden_states_scale is not None:
+                hidden = dequantize_rows(hidden, record.hidden_states_scale, torch.float32)
+                last = dequantize_rows(last, record.last_hidden_state_scale, torch.float32)
+            rows = torch.cat([hidden.float(), last.float().unsqueeze(1)], dim=1)
+            by_prompt.setdefault(tuple(record.token_ids.tolist()), []).append(
+                {"rows": rows, "bytes": (dirs[encoding] / line["file"]).stat().st_size})
+        return by_prompt
+
+    bf16, fp8 = states("bf16"), states("fp8")
+    names = [f"layer {layer}" for layer in layers] + ["last_hidden_state"]
+
+    def row_errors(pairs) -> Dict[str, dict]:
+        errors = {name: [] for name in names}
+        for reference, other in pairs:
+            error = (other - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-12)
+            for k, name in enumerate(names):
+                errors[name] += error[:, k].tolist()
+        return {name: {"median": statistics.median(values), "p99": sorted(values)[int(0.99 * (len(values) - 1))],
+                       "max": max(values)} for name, values in errors.items()}
+
+    prompts_seen = [key for key in bf16 if key in fp8 and len(bf16[key]) == 2]
+    return {
+        "prompts": len(prompts_seen), "prompt_len": preset["prompt_len"],
+        "row_relative_error": {"fp8 / bf16": row_errors((bf16[k][0]["rows"], fp8[k][0]["rows"]) for k in prompts_seen),
+                               "bf16 / bf16 (floor)": row_errors((bf16[k][0]["rows"], bf16[k][1]["rows"])
+                                                                 for k in prompts_seen)},
+        "file_bytes_ratio_fp8_over_bf16": sum(fp8[k][0]["bytes"] for k in prompts_seen)
+        / sum(bf16[k][0]["bytes"] for k in prompts_seen),
+    }
+
+
+PY_SPY_RATE = 100  # samples per second
+
+
+def stop_process_group(server: Server, timeout: float = 60) -> None:
+    """Server.stop for a server whose launcher may have exited first: SIGTERM to the whole
+    process group (a dumping scheduler drains and logs its timings), SIGKILL what is left."""
+    group = server.process.pid
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            server.process.poll()
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+    server.process.poll()
+    server.log_file.close()
+
+
+def suite_profile(run: BenchRun) -> dict:
+    """The prefill workload on one server dumping to the tmpfs (else the work dir), run under
+    py-spy (PY_SPY=, else on PATH): where the scheduler's and the writer threads' CPU time goes."""
+    py_spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if not py_spy:
+        return {"skipped": "py-spy not found (set PY_SPY= or put it on PATH)"}
+    preset = run.preset
+    on_tmpfs = tmpfs_holds_a_round(run.model, preset)
+    dump_dir = Path(tempfile.mkdtemp(prefix="dump-profile-", dir=preset["tmpfs_dir"])) if on_tmpfs \
+        else run.work / "dump-profile"
+    raw = run.work / "py-spy-raw.txt"
+    # py-spy starts the server, so it may read the server's memory without ptrace rights;
+    # --nonblocking samples without pausing it.
+    launcher = [py_spy, "record", "--subprocesses", "--nonblocking", "--rate", str(PY_SPY_RATE),
+                "--format", "raw", "-o", str(raw), "--"]
+    server = run.start_server("profile", {"SGLANG_HS_DUMP_DIR": str(dump_dir)}, launcher=launcher)
+    seconds = 0.0
+    try:
+        server.wait_ready()
+        send_and_land(server, prompts_for(8, preset["prompt_len"], seed=99), dump_dir)
+        for round_index in range(preset["repeats"]):
+            if round_index and run.out_of_time():
+                break
+            prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=5000 + round_index)
+            seconds += send_and_land(server, prompts, dump_dir)
+            clear_files(dump_dir)
+        # The server's own shutdown (its scheduler drains and logs its timings); py-spy
+        # writes its profile once the process it started is gone.
+        for child in child_pids(server.process.pid):
+            os.kill(child, signal.SIGTERM)
+        try:
+            server.process.wait(120)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        stop_process_group(server)
+    if not raw.exists():
+        return {"skipped": "py-spy wrote no profile", "log_tail": server.log()[-2000:]}
+    return {"filesystem": filesystem(dump_dir), "dumping_rounds_s": round(seconds, 2),
+            "profile": summarize(read_stacks(raw), PY_SPY_RATE), "dump_profile": dump_profile(server, seconds)}
+
+
+SUITES = {"prefill": suite_prefill, "hidden": suite_hidden, "write": suite_write, "scaling": suite_scaling,
+          "profile": suite_profile, "fp8": suite_fp8}
 
 
 def main(argv=None) -> int:

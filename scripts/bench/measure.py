@@ -7,7 +7,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from scripts.dumps.server import Server, manifest_lines
 
@@ -36,12 +36,19 @@ def wait_for_lines(dump_dir: Path, target: int, started: float, timeout: float) 
 def send_and_land(server: Server, prompts, dump_dir: Optional[Path] = None, timeout: float = 600) -> float:
     """Seconds to prefill every prompt (all sent at once) and, for a dumping server, until
     the manifest names a file for each: the writer's backlog is part of the cost."""
+    return send_and_land_split(server, prompts, dump_dir, timeout)[1]
+
+
+def send_and_land_split(server: Server, prompts, dump_dir: Optional[Path] = None,
+                        timeout: float = 600) -> Tuple[float, float]:
+    """send_and_land's seconds to the last response and to the last file landed."""
     started = time.perf_counter()
     target = manifest_lines(dump_dir) + len(prompts) if dump_dir else 0
     send_all(server, prompts)
+    responded = time.perf_counter() - started
     if dump_dir:
         wait_for_lines(dump_dir, target, started, timeout)
-    return time.perf_counter() - started
+    return responded, time.perf_counter() - started
 
 
 def clear_files(dump_dir: Optional[Path]) -> None:

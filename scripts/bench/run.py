@@ -35,9 +35,10 @@ class BenchRun:
     def save(self) -> None:
         self.out.write_text(json.dumps(self.results, indent=1))
 
-    def start_server(self, name: str, env: Dict[str, str], extra=(), tree: Optional[Path] = None) -> Server:
+    def start_server(self, name: str, env: Dict[str, str], extra=(), tree: Optional[Path] = None,
+                     launcher=()) -> Server:
         args = [*self.preset["server_args"], *extra]
-        return Server(self.model, self.work / f"{name}.log", runtime_env(tree=tree, **env), args).start()
+        return Server(self.model, self.work / f"{name}.log", runtime_env(tree=tree, **env), args, launcher).start()
 
 
 def total_rss_kib(server: Server) -> int:

@@ -58,16 +58,29 @@ def free_port() -> int:
             return port
 
 
+def child_pids(pid: int) -> List[int]:
+    """The processes `pid` started (any of its threads), from /proc."""
+    pids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            pids += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return pids
+
+
 class ServerFailed(AssertionError):
     pass
 
 
 class Server:
-    def __init__(self, model: Path, log_path: Path, env: Dict[str, str], extra_args: List[str] = ()):
+    def __init__(self, model: Path, log_path: Path, env: Dict[str, str], extra_args: List[str] = (),
+                 launcher: List[str] = ()):
+        """`launcher`: a command the server runs under (a profiler), which then leads its process group."""
         self.port = free_port()
         self.log_path = log_path
         self.args = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+            *launcher, sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
             "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port),
             "--max-total-tokens", "16384", "--mem-fraction-static", "0.5", *device_flags(), *extra_args,
         ]
@@ -140,11 +153,7 @@ class Server:
         while todo:
             pid = todo.pop()
             pids.append(pid)
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    todo += [int(child) for child in (task / "children").read_text().split()]
-                except OSError:
-                    pass
+            todo += child_pids(pid)
         return pids
 
     def resident_memory_kb(self) -> Dict[str, int]:

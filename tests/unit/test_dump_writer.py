@@ -1,11 +1,12 @@
 """The writer: file names that never come from request ids, threads writing side by side
-with the manifest kept in submission order, a full queue, and what a write failure costs."""
+with the manifest kept in submission order, a full queue, what a write failure costs, and
+the timings that say where the dump's time went."""
 
 import os
 import time
 
 from sglang.srt.managers import hidden_states_dump
-from sglang.srt.managers.hidden_states_dump import DumpRequest, read_manifest
+from sglang.srt.managers.hidden_states_dump import DumpCounters, DumpRequest, DumpTimings, read_manifest
 from tests.unit.dump_standins import (
     WAIT_TIMEOUT_S,
     assert_dir_holds_exactly,
@@ -154,3 +155,35 @@ def test_stale_temporary_files_are_removed_at_start(dump_dir):
     start_dumper(dump_dir, [1])
 
     assert sorted(os.listdir(dump_dir)) == ["notes.txt"]
+
+
+def test_timings_say_whether_the_scheduler_waited_for_the_disk(dump_dir, monkeypatch, caplog):
+    # One writer thread, a queue of one, and a disk that takes 50 ms per file: the
+    # scheduler spends its time blocked on the queue, the writer its time writing.
+    monkeypatch.setenv("SGLANG_HS_DUMP_QUEUE_SIZE", "1")
+    monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "1")
+    fsync = os.fsync
+
+    def slow_fsync(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if name.startswith(hidden_states_dump.TEMP_PREFIX):
+            time.sleep(0.05)
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
+    rids = submit_many(dumper, 8)
+    wait_for_manifest(dump_dir, rids)
+    wait_for_stats(dumper, lambda counters: counters["files"] == 8)
+    timings = dumper.timings()
+
+    assert timings.write_ms >= 8 * 50
+    # Eight files at 50 ms through one thread and a queue of one: the last five submits
+    # each wait for a file to finish.
+    assert timings.blocked_ms >= 4 * 50
+    assert timings.capture_ms < timings.blocked_ms
+    with caplog.at_level("INFO", logger=hidden_states_dump.__name__):
+        dumper._writer.stats.log()
+    logged = DumpTimings.parse(caplog.text)
+    assert logged is not None and logged.write_ms >= timings.write_ms
+    assert DumpCounters.parse(caplog.text).files == 8

@@ -32,7 +32,8 @@ done < scripts/bench/gpu/bundle-requirements.txt
 # and are left out, so the GPU runs use --attention-backend triton.
 (cd "$WORK/site" && unzip -q -o "$WORK"/kernel/sglang_kernel-0.4.4-*.whl \
   -x 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/flashmla_ops.abi3.so' 'sgl_kernel/sm100/*')
-rm -rf "$WORK/site/bin"
+# Of the scripts only py-spy (a binary), which the benchmark's profile suite runs.
+find "$WORK/site/bin" -mindepth 1 ! -name py-spy -delete
 find "$WORK/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 tar cf - -C "$WORK/site" . | xz -9 -T0 > "$OUT/site.tar.xz"
 ls -la "$OUT/site.tar.xz"

@@ -5,8 +5,9 @@
 # /dev/shm); any other name is a scripts/bench/dump.py suite. BENCH_DEADLINE_S, when set,
 # is bench_dump's --deadline-s; BENCH_TIMEOUT_S, when set, stops bench_dump after that
 # many seconds, so its log and the servers' logs still reach $OUT before the call's own
-# limit. Results land in $OUT/bench-*.json, bench_dump's output in $OUT/bench-gpu.log as
-# it runs.
+# limit. Results land in $OUT/bench-*.json, bench_dump's output in $OUT/bench-gpu*.log as
+# it runs; the profile suite's raw py-spy samples in $OUT/py-spy-raw-*.txt.gz. BENCH_PARALLEL=1
+# runs each suite in its own process, all at once.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 rm -rf /tmp/site /tmp/site-upstream /tmp/bench-writer /dev/shm/bench-writer && mkdir -p "$OUT" /tmp/site /tmp/site-upstream
@@ -15,6 +16,7 @@ xz -dc -T0 .devcarry/site.tar.xz | tar xf - -C /tmp/site || exit 2
 cp -a /tmp/site/. /tmp/site-upstream/
 PYTHONPATH=/tmp/site python3 -m scripts apply --version 0.5.14 --dir /tmp/site || exit 3
 export SGLANG_CHECKOUT=/tmp/site UPSTREAM_TREE=/tmp/site-upstream PYTHONPATH=/tmp/site:$PWD
+[ -x /tmp/site/bin/py-spy ] && export PY_SPY=/tmp/site/bin/py-spy  # the profile suite's profiler
 df -T /tmp /dev/shm | tail -2
 status=0
 suites=()
@@ -31,12 +33,30 @@ for suite in "$@"; do
         suites+=(--suite "$suite")
     fi
 done
-if [ ${#suites[@]} -gt 0 ]; then
-    deadline=()
-    [ -n "${BENCH_DEADLINE_S:-}" ] && deadline=(--deadline-s "$BENCH_DEADLINE_S")
-    timeout "${BENCH_TIMEOUT_S:-0}" python3 -m scripts.bench.dump "${suites[@]}" "${deadline[@]}" \
-        --preset gpu --work-dir /tmp/bench --out "$OUT/bench-gpu.json" > "$OUT/bench-gpu.log" 2>&1 || status=1
+deadline=()
+[ -n "${BENCH_DEADLINE_S:-}" ] && deadline=(--deadline-s "$BENCH_DEADLINE_S")
+bench_dump() {  # bench_dump NAME SUITE_ARGS...: one bench_dump process, its results and log named NAME
+    local name=$1
+    shift
+    timeout "${BENCH_TIMEOUT_S:-0}" python3 -m scripts.bench.dump "$@" "${deadline[@]}" \
+        --preset gpu --work-dir "/tmp/bench-$name" --out "$OUT/bench-$name.json" > "$OUT/bench-$name.log" 2>&1
+    local code=$?
+    tail -n 30 /tmp/bench-"$name"/*.log > "$OUT/server-logs-tail-$name.txt" 2>/dev/null
+    gzip -c /tmp/bench-"$name"/py-spy-raw.txt > "$OUT/py-spy-raw-$name.txt.gz" 2>/dev/null || rm -f "$OUT/py-spy-raw-$name.txt.gz"
+    return $code
+}
+if [ ${#suites[@]} -gt 0 ] && [ -n "${BENCH_PARALLEL:-}" ]; then
+    # BENCH_PARALLEL=1: each suite in its own process, all at once (their servers share the
+    # GPU; for suites whose measurements do not overlap much, such as profile and fp8).
+    pids=()
+    for ((i = 1; i < ${#suites[@]}; i += 2)); do
+        bench_dump "gpu-${suites[$i]}" --suite "${suites[$i]}" &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    tail -c 4000 "$OUT"/bench-gpu-*.log
+elif [ ${#suites[@]} -gt 0 ]; then
+    bench_dump gpu "${suites[@]}" || status=1
     tail -c 8000 "$OUT/bench-gpu.log"
-    tail -n 30 /tmp/bench/*.log > "$OUT/server-logs-tail.txt" 2>/dev/null
 fi
 exit "$status"

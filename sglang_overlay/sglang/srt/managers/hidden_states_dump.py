@@ -69,8 +69,9 @@ FP8_ENCODING = "fp8_e4m3_row_scaled"
 FP8_MAX = 448.0  # the largest float8 e4m3 (fn) value
 # Requests the server sends itself (startup warmup, /health_generate) are never dumped.
 INTERNAL_RID_PREFIXES = ("WARMUP_", "HEALTH_CHECK")
-# The counters are logged after every error, drop and discard, after the first file (the
-# dump works), then every STATS_LOG_EVERY_FILES files or STATS_LOG_INTERVAL_S seconds.
+# The counters and timings are logged after every error, drop and discard, after the first
+# file (the dump works), at exit, then every STATS_LOG_EVERY_FILES files or
+# STATS_LOG_INTERVAL_S seconds.
 STATS_LOG_INTERVAL_S = 60.0
 STATS_LOG_EVERY_FILES = 1000
 
@@ -319,10 +320,30 @@ class _Job:
     sequence: int  # submission order, which the manifest keeps
 
 
+class _LogLine:
+    """A dataclass of integers that operators read in the log, as the line `line`
+    builds after LOG_PREFIX; `parse` reads the last such line of a log back."""
+
+    LOG_PREFIX = ""
+
+    def line(self) -> str:
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+    @classmethod
+    def parse(cls, log: str):
+        """The values of the last such line in `log` (None: there is none)."""
+        pattern = re.escape(cls.LOG_PREFIX) + " ".join(
+            rf"{f.name}=(\d+)" for f in fields(cls)
+        )
+        matches = re.findall(pattern, log)
+        return cls(*map(int, matches[-1])) if matches else None
+
+
 @dataclass(frozen=True)
-class DumpCounters:
-    """A snapshot of the dump's counters. Operators read them in the log, as the line
-    `line` builds; `parse` reads the last such line of a log back."""
+class DumpCounters(_LogLine):
+    """A snapshot of the dump's counters."""
+
+    LOG_PREFIX = "hidden states dump: "
 
     files: int = 0
     tokens: int = 0
@@ -331,50 +352,70 @@ class DumpCounters:
     dropped: int = 0
     discarded: int = 0
 
-    def line(self) -> str:
-        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
-    @classmethod
-    def parse(cls, log: str) -> Optional["DumpCounters"]:
-        """The counters of the last counters line in `log` (None: there is none)."""
-        pattern = "hidden states dump: " + " ".join(
-            rf"{f.name}=(\d+)" for f in fields(cls)
-        )
-        matches = re.findall(pattern, log)
-        return cls(*map(int, matches[-1])) if matches else None
+@dataclass(frozen=True)
+class DumpTimings(_LogLine):
+    """Where the dump's time went, in milliseconds summed since the start: on the
+    scheduler thread, taking rows off the forward (`capture_ms`) and waiting for a full
+    queue (`blocked_ms`); on the writer threads, waiting for rows to reach the host
+    (`copy_wait_ms`), writing and syncing files (`write_ms`), and waiting for their turn
+    in the manifest, renaming and appending its line (`manifest_ms`)."""
+
+    LOG_PREFIX = "hidden states dump timings: "
+
+    capture_ms: int = 0
+    blocked_ms: int = 0
+    copy_wait_ms: int = 0
+    write_ms: int = 0
+    manifest_ms: int = 0
 
 
 class _Stats:
-    """The dump's counters, logged after every error, drop and discard, after the first
-    file (the dump works), then every STATS_LOG_EVERY_FILES files or
-    STATS_LOG_INTERVAL_S seconds."""
+    """The dump's counters and timings (seconds, logged in ms), logged after every
+    error, drop and discard, after the first file (the dump works), at exit, then every
+    STATS_LOG_EVERY_FILES files or STATS_LOG_INTERVAL_S seconds."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.counts = {f.name: 0 for f in fields(DumpCounters)}
+        self.seconds = {f.name: 0.0 for f in fields(DumpTimings)}
         self.last_log = time.monotonic()
 
-    def add(self, **counts) -> None:
+    def add(self, seconds: Optional[Dict[str, float]] = None, **counts) -> None:
         with self.lock:
             for name, value in counts.items():
                 self.counts[name] += value
+            for name, value in (seconds or {}).items():
+                self.seconds[name] += value
             now = time.monotonic()
             files = self.counts["files"]
-            due = (
+            due = bool(counts) and (
                 "files" not in counts
                 or files == 1
                 or files % STATS_LOG_EVERY_FILES == 0
                 or now - self.last_log > STATS_LOG_INTERVAL_S
             )
-            if due:
-                self.last_log = now
-                snapshot = DumpCounters(**self.counts)
         if due:
-            logger.info(f"hidden states dump: {snapshot.line()}")
+            self.log()
+
+    def log(self) -> None:
+        with self.lock:
+            self.last_log = time.monotonic()
+            counters, timings = self._snapshot()
+        logger.info(f"{DumpCounters.LOG_PREFIX}{counters.line()}")
+        logger.info(f"{DumpTimings.LOG_PREFIX}{timings.line()}")
+
+    def _snapshot(self) -> Tuple[DumpCounters, DumpTimings]:
+        timings = {name: int(value * 1000) for name, value in self.seconds.items()}
+        return DumpCounters(**self.counts), DumpTimings(**timings)
 
     def snapshot(self) -> DumpCounters:
         with self.lock:
-            return DumpCounters(**self.counts)
+            return self._snapshot()[0]
+
+    def timings(self) -> DumpTimings:
+        with self.lock:
+            return self._snapshot()[1]
 
 
 class _InOrder:
@@ -439,6 +480,9 @@ class DumpWriter:
     def counters(self) -> DumpCounters:
         return self.stats.snapshot()
 
+    def timings(self) -> DumpTimings:
+        return self.stats.timings()
+
     def submit(self, request: DumpRequest, chunks: List[Chunk]) -> None:
         """Queue one request whose whole prompt is in `chunks`, in prompt order. Only one
         thread submits (the scheduler's)."""
@@ -453,7 +497,9 @@ class DumpWriter:
                 self.stats.add(dropped=1)
                 return
         else:
+            started = time.perf_counter()
             self.queue.put(job)
+            self.stats.add(seconds=dict(blocked_ms=time.perf_counter() - started))
         self.sequence += 1
 
     def _run(self) -> None:
@@ -484,8 +530,10 @@ class DumpWriter:
 
     def write_file(self, job: _Job) -> None:
         """Write one job's file and its manifest line (on a writer thread)."""
+        started = time.perf_counter()
         for chunk in job.chunks:
             chunk.rows.wait()
+        copied = time.perf_counter()
         parts = {
             name: [chunk.take(name) for chunk in job.chunks]
             for name in job.chunks[0].rows.names()
@@ -514,6 +562,7 @@ class DumpWriter:
                         size += f.write(_as_bytes(part))
                 f.flush()
                 os.fsync(f.fileno())
+            written = time.perf_counter()
             # Renamed in turn, so a killed server leaves only temporary files behind.
             self.in_order.wait(job.sequence)
             os.replace(temp_path, final_path)
@@ -535,7 +584,12 @@ class DumpWriter:
         except BaseException:
             _remove_quietly(final_path)
             raise
-        self.stats.add(files=1, tokens=num_tokens, bytes=size)
+        seconds = dict(
+            copy_wait_ms=copied - started,
+            write_ms=written - copied,
+            manifest_ms=time.perf_counter() - written,
+        )
+        self.stats.add(seconds, files=1, tokens=num_tokens, bytes=size)
 
 
 _SAFETENSORS_DTYPES = {
@@ -690,9 +744,9 @@ def drain_at_exit(writer: DumpWriter) -> None:
             )
         else:
             logger.info(
-                f"hidden states dump: wrote the {queued} queued requests before exiting; "
-                f"{writer.counters().line()}"
+                f"hidden states dump: wrote the {queued} queued requests before exiting"
             )
+        writer.stats.log()
 
     # Run by multiprocessing when a child process (a scheduler) returns normally.
     multiprocessing.util.Finalize(None, drain_and_log, exitpriority=100)
@@ -847,6 +901,9 @@ class HiddenStatesDumper:
         """The counters of this replica's writer (None on ranks that do not write)."""
         return self._writer.counters() if self._writer else None
 
+    def timings(self) -> Optional[DumpTimings]:
+        return self._writer.timings() if self._writer else None
+
     def capture(
         self,
         forward_batch,
@@ -856,6 +913,8 @@ class HiddenStatesDumper:
         requests = forward_batch.hidden_states_dump_requests
         if requests is None or not self.is_writer:
             return
+        started = time.perf_counter()
+        blocked = self._writer.stats.seconds["blocked_ms"]
         spans, continuing = self._spans(forward_batch, requests)
         self._discard_abandoned(continuing)
         if not spans:
@@ -866,6 +925,10 @@ class HiddenStatesDumper:
             chunk = Chunk(rows, offset, offset + end - start)
             offset += end - start
             self._add_chunk(request, prefix_len, chunk)
+        # Only this thread adds blocked time, so the difference is this forward's.
+        blocked = self._writer.stats.seconds["blocked_ms"] - blocked
+        elapsed = time.perf_counter() - started
+        self._writer.stats.add(seconds=dict(capture_ms=elapsed - blocked))
 
     def _spans(self, forward_batch, requests):
         """(request, prefix_len, first row, end row) of each dumped request's prompt rows in
