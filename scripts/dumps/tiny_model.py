@@ -10,6 +10,7 @@ require, and can take DeepSeek-V3's hidden size for compute-bound benchmarks.
 """
 
 import argparse
+import fcntl
 import json
 import math
 from pathlib import Path
@@ -62,11 +63,21 @@ def ensure_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
     from scripts.dumps.tiny_tokenizer import has_tokenizer, write_tokenizer
 
     path = cache / model_name(layers, q_lora, widths, hidden_size)
-    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
-        if not has_tokenizer(path):  # generated before models had a tokenizer
-            write_tokenizer(path)
-        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    # Several processes may ask for one model at once (benchmarks run side by side): one
+    # generates it, the others wait and use it.
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+            if not has_tokenizer(path):  # generated before models had a tokenizer
+                write_tokenizer(path)
+            return path
+        return _generate(path, layers, q_lora, widths, hidden_size)
+
+
+def _generate(path: Path, layers: int, q_lora: bool, widths: str, hidden_size: Optional[int]) -> Path:
     import torch
+    from scripts.dumps.tiny_tokenizer import write_tokenizer
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     shape = dict(WIDTHS[widths])
