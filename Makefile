@@ -26,7 +26,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches port port-continue port-skip port-abort test test-tools test-releases test-warmup test-unit test-server test-release demo generate bench bench-generate bench-writer clean
+.PHONY: help tools runtime apply verify revert refresh-patches port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release demo generate bench bench-generate bench-writer clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -96,9 +96,9 @@ test-release: test-unit test-server ## unit and server tests for VERSION
 FULL_SERVER_SUITE ?= $(shell $(PYTHON) -m scripts.toolchain.lock default) 0.5.9
 
 # Without SGLANG_VERSION: every release in sglang.lock.
-test: test-tools test-releases ## everything CI runs: toolchain tests, then per release unit tests and test-warmup, the server suite on FULL_SERVER_SUITE
+test: test-tools test-matrix ## everything CI runs: toolchain tests, then per release unit tests and test-warmup, the server suite on FULL_SERVER_SUITE
 
-test-releases: ## per release (SGLANG_VERSION=: that one) unit tests and test-warmup, the whole server suite on FULL_SERVER_SUITE
+test-matrix: ## per release (SGLANG_VERSION=: that one) unit tests and test-warmup, the whole server suite on FULL_SERVER_SUITE
 	set -e; for version in $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.toolchain.lock versions)); do \
 		case " $(FULL_SERVER_SUITE) " in *" $$version "*) server=test-server;; *) server=test-warmup;; esac; \
 		$(MAKE) --no-print-directory test-unit $$server SGLANG_VERSION=$$version $(if $(SGLANG_DIR),SGLANG_DIR=$(SGLANG_DIR)); \
