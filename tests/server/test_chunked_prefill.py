@@ -5,6 +5,7 @@ file, no manifest line and no held chunks."""
 
 import http.client
 import json
+import math
 import re
 import threading
 import time
@@ -56,9 +57,10 @@ def test_long_prompts_are_stitched_across_chunks(server):
     for body, prompt in zip(bodies, prompts):
         record = load_dump(str(server.dump_dir / by_rid[body["rid"]]["file"]))
         assert_matches_oracle(record, prompt, streams[body["rid"]], body["rid"])
-    # Every forward prefilled at most one chunk, and a 1000-token prompt took 16 of them.
+    # Every forward prefilled at most one chunk, so a 1000-token prompt took at least 16 of
+    # them (more when a forward's chunk was shared with another prompt's rows).
     assert max(f.prompt_rows for f in forwards) <= CHUNK
-    assert sum(1 for f in forwards if "chunked-1000" in f.prompts) == 1000 // CHUNK + 1
+    assert sum(1 for f in forwards if "chunked-1000" in f.prompts) >= math.ceil(1000 / CHUNK)
 
 
 def discard_lines(log: str, rid: str):
