@@ -95,13 +95,16 @@ test-release: test-unit test-server ## unit and server tests for VERSION
 # releases are added.
 FULL_SERVER_SUITE ?= $(shell $(PYTHON) -m scripts.toolchain.lock default) 0.5.9
 
-# Without SGLANG_VERSION: every release in sglang.lock.
+# Without SGLANG_VERSION: every release in sglang.lock. PRUNE_RUNTIMES=1 removes each release's
+# runtime after its tests (a disk that holds one runtime at a time; CI on a small disk).
+PRUNE_RUNTIMES ?=
 test: test-tools test-matrix ## everything CI runs: toolchain tests, then per release unit tests and test-warmup, the server suite on FULL_SERVER_SUITE
 
 test-matrix: ## per release (SGLANG_VERSION=: that one) unit tests and test-warmup, the whole server suite on FULL_SERVER_SUITE
 	set -e; for version in $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.toolchain.lock versions)); do \
 		case " $(FULL_SERVER_SUITE) " in *" $$version "*) server=test-server;; *) server=test-warmup;; esac; \
 		$(MAKE) --no-print-directory test-unit $$server SGLANG_VERSION=$$version $(if $(SGLANG_DIR),SGLANG_DIR=$(SGLANG_DIR)); \
+		$(if $(PRUNE_RUNTIMES),rm -rf .venv/sglang-$$version;) \
 	done
 
 demo: apply runtime ## the whole path on a tiny model: conversations -> generate -> dump -> SpecForge and speculators exports
