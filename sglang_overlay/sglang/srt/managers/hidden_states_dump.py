@@ -483,10 +483,12 @@ class DumpWriter:
     def timings(self) -> DumpTimings:
         return self.stats.timings()
 
-    def submit(self, request: DumpRequest, chunks: List[Chunk]) -> None:
-        """Queue one request whose whole prompt is in `chunks`, in prompt order. Only one
-        thread submits (the scheduler's)."""
+    def submit(self, request: DumpRequest, chunks: List[Chunk]) -> float:
+        """Queue one request whose whole prompt is in `chunks`, in prompt order; returns
+        the seconds the caller waited for room in the queue. Only one thread submits (the
+        scheduler's)."""
         job = _Job(request, chunks, self.sequence)
+        blocked = 0.0
         if self.on_full == "drop":
             try:
                 self.queue.put_nowait(job)
@@ -495,12 +497,14 @@ class DumpWriter:
                     f"hidden states dump: queue full, dropped request {job.request.rid!r}"
                 )
                 self.stats.add(dropped=1)
-                return
+                return blocked
         else:
             started = time.perf_counter()
             self.queue.put(job)
-            self.stats.add(seconds=dict(blocked_ms=time.perf_counter() - started))
+            blocked = time.perf_counter() - started
+            self.stats.add(seconds=dict(blocked_ms=blocked))
         self.sequence += 1
+        return blocked
 
     def _run(self) -> None:
         while True:
@@ -914,19 +918,16 @@ class HiddenStatesDumper:
         if requests is None or not self.is_writer:
             return
         started = time.perf_counter()
-        blocked = self._writer.stats.seconds["blocked_ms"]
         spans, continuing = self._spans(forward_batch, requests)
         self._discard_abandoned(continuing)
         if not spans:
             return
         rows = self._copy_to_host(forward_batch, hidden_states, aux_hidden_states, spans)
-        offset = 0
+        offset, blocked = 0, 0.0
         for request, prefix_len, start, end in spans:
             chunk = Chunk(rows, offset, offset + end - start)
             offset += end - start
-            self._add_chunk(request, prefix_len, chunk)
-        # Only this thread adds blocked time, so the difference is this forward's.
-        blocked = self._writer.stats.seconds["blocked_ms"] - blocked
+            blocked += self._add_chunk(request, prefix_len, chunk)
         elapsed = time.perf_counter() - started
         self._writer.stats.add(seconds=dict(capture_ms=elapsed - blocked))
 
@@ -1019,7 +1020,9 @@ class HiddenStatesDumper:
                 rows[name], rows[f"{name}_scale"] = quantize_rows(rows[name])
         return rows
 
-    def _add_chunk(self, request: DumpRequest, prefix_len: int, chunk: Chunk) -> None:
+    def _add_chunk(self, request: DumpRequest, prefix_len: int, chunk: Chunk) -> float:
+        """Add a chunk to its request and submit the request once its prompt is whole;
+        returns the seconds the submit waited for the queue."""
         partial = self._partials.pop(request.rid, None)
         if prefix_len == 0:
             partial = _Partial(request)
@@ -1030,13 +1033,13 @@ class HiddenStatesDumper:
                 f"prompt positions {have}..{prefix_len}; nothing written"
             )
             self._writer.stats.add(errors=1)
-            return
+            return 0.0
         partial.chunks.append(chunk)
         partial.num_tokens += chunk.end - chunk.start
         if partial.num_tokens >= request.prompt_len:
-            self._writer.submit(request, partial.chunks)
-        else:
-            self._partials[request.rid] = partial
+            return self._writer.submit(request, partial.chunks)
+        self._partials[request.rid] = partial
+        return 0.0
 
 
 @dataclass
