@@ -171,9 +171,7 @@ def suite_prefill(run: BenchRun) -> dict:
         for name in names:  # one round each not in the results: compile caches, allocator warm-up
             measured[name] += send_and_land(servers[name], prompts_for(8, preset["prompt_len"], seed=99), dumps[name])
             clear_files(dumps[name])
-        for round_index in range(preset["repeats"]):
-            if round_index and run.out_of_time():
-                break
+        for round_index in run.rounds():
             # New prompts every round: a repeated prompt would hit the prefix cache of the
             # servers that do not dump and compare a cache hit with a full prefill.
             prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=1000 + round_index)
@@ -205,9 +203,7 @@ def suite_hidden(run: BenchRun) -> dict:
     try:
         server.wait_ready()
         send_and_land(server, prompts_for(4, preset["prompt_len"], seed=98), dump_dir)
-        for round_index in range(preset["repeats"]):
-            if round_index and run.out_of_time():
-                break
+        for round_index in run.rounds():
             prompts = prompts_for(preset["hidden_prompts"], preset["prompt_len"], seed=2000 + round_index)
             dump_rates.append(tokens / send_and_land(server, prompts, dump_dir))
             clear_files(dump_dir)
@@ -261,9 +257,7 @@ def suite_write(run: BenchRun) -> dict:
     try:
         for server in servers.values():
             server.wait_ready()
-        for round_index in range(preset["repeats"]):
-            if round_index and run.out_of_time():
-                break
+        for round_index in run.rounds():
             prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=4000 + round_index)
             seconds = send_and_land(servers["dump on"], prompts, dump_dir)
             written = sum(p.stat().st_size for p in dump_dir.glob("*.safetensors"))
@@ -319,9 +313,7 @@ def _time_ratio(run: BenchRun, base: Server, dumping: Server, dump_dir: Path, le
     send_all(base, warm_up)
     send_and_land(dumping, warm_up, dump_dir)
     on, off = [], []
-    for round_index in range(preset["repeats"]):
-        if round_index and run.out_of_time():
-            break
+    for round_index in run.rounds():
         prompts = prompts_for(count, length, seed=length * 100 + round_index)
         off.append(send_all(base, prompts))
         on.append(send_and_land(dumping, prompts, dump_dir))
@@ -437,9 +429,7 @@ def suite_profile(run: BenchRun) -> dict:
     try:
         server.wait_ready()
         send_and_land(server, prompts_for(8, preset["prompt_len"], seed=99), dump_dir)
-        for round_index in range(preset["repeats"]):
-            if round_index and run.out_of_time():
-                break
+        for round_index in run.rounds():
             prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=5000 + round_index)
             seconds += send_and_land(server, prompts, dump_dir)
             clear_files(dump_dir)

@@ -5,7 +5,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 from scripts.dumps.server import Server, runtime_env
 
@@ -26,6 +26,14 @@ class BenchRun:
 
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
+
+    def rounds(self) -> Iterator[int]:
+        """The indices of the preset's repeated rounds; past the deadline no new round starts
+        (but the first, so every comparison keeps one)."""
+        for index in range(self.preset["repeats"]):
+            if index and self.out_of_time():
+                return
+            yield index
 
     def checkpoint(self, partial: dict) -> None:
         """Save a suite's results so far, so a run cut short keeps them."""
