@@ -20,7 +20,7 @@ def stall_writer(config):
         gate.with_name(gate.name + ".holding").touch()
         while gate.exists():
             time.sleep(0.01)
-        write_file(self, job)
+        return write_file(self, job)
 
     hidden_states_dump.DumpWriter.write_file = stalled_write_file
     return lambda module, inputs, output: None

@@ -1,6 +1,7 @@
 """The writer: file names that never come from request ids, threads writing side by side
-with the manifest kept in submission order, a full queue, what a write failure costs, and
-the timings that say where the dump's time went."""
+with the manifest kept in submission order (a thread never waits for an earlier file's
+turn), a full queue, what a write failure costs, and the timings that say where the dump's
+time went."""
 
 import os
 import time
@@ -108,9 +109,10 @@ def test_writer_threads_write_files_side_by_side_and_keep_the_manifest_in_order(
     rids = submit_many(dumper, 12)
     lines = wait_for_manifest(dump_dir, rids)
 
-    # Four temporary files on disk, no final file and no manifest yet.
+    # Four or more temporary files on disk (the other threads go on to later files), no
+    # final file and no manifest yet.
     [seen] = seen_while_first_held
-    assert len(seen) == 4 and all(n.startswith(hidden_states_dump.TEMP_PREFIX) for n in seen)
+    assert len(seen) >= 4 and all(n.startswith(hidden_states_dump.TEMP_PREFIX) for n in seen)
     assert [line["rid"] for line in lines] == rids
     for i, line in enumerate(lines):
         assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [0, 1, 2, 3, 4])
@@ -187,3 +189,70 @@ def test_timings_say_whether_the_scheduler_waited_for_the_disk(dump_dir, monkeyp
     logged = DumpTimings.parse(caplog.text)
     assert logged is not None and logged.write_ms >= timings.write_ms
     assert DumpCounters.parse(caplog.text).files == 8
+
+
+def hold_first_file_until(monkeypatch, released) -> list:
+    """Make the first dump file's fsync wait until `released()` holds; returns the
+    listings of the directory taken while it waited (one)."""
+    fsync = os.fsync
+    seen_while_first_held = []
+
+    def fsync_holding_the_first(fd):
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if name.startswith(hidden_states_dump.TEMP_PREFIX) and name.endswith("-000000001.safetensors"):
+            deadline = time.monotonic() + WAIT_TIMEOUT_S
+            while not released():
+                assert time.monotonic() < deadline, "the first file was never released"
+                time.sleep(0.01)
+            seen_while_first_held.append(sorted(os.listdir(os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")))))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_holding_the_first)
+    return seen_while_first_held
+
+
+def temp_files(dump_dir) -> list:
+    return [n for n in os.listdir(dump_dir) if n.startswith(hidden_states_dump.TEMP_PREFIX)]
+
+
+def test_a_thread_whose_file_is_not_due_goes_on_to_the_next(dump_dir, monkeypatch):
+    # Two threads; the first file is held until five later files are written. Only a
+    # thread that hands its written file over, instead of waiting for the first file's
+    # turn, gets there: the other thread writes files 2 to 6 alone.
+    monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "2")
+    seen = hold_first_file_until(monkeypatch, lambda: len(temp_files(dump_dir)) >= 6)
+    dumper = start_dumper(dump_dir, [1, 2])
+
+    rids = submit_many(dumper, 8)
+    lines = wait_for_manifest(dump_dir, rids)
+
+    # Six or more temporary files (the thread may have begun a seventh), nothing published.
+    [listing] = seen
+    assert len(listing) >= 6 and all(n.startswith(hidden_states_dump.TEMP_PREFIX) for n in listing)
+    assert [line["rid"] for line in lines] == rids
+    for i, line in enumerate(lines):
+        assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [1, 2])
+    assert_dir_holds_exactly(dump_dir, lines)
+
+
+def test_a_written_file_waiting_for_its_turn_survives_another_writer_starting(dump_dir, monkeypatch):
+    # A second server (or data-parallel rank) starting on the directory removes the
+    # temporary files that nobody holds; files written and waiting to be published are
+    # still held.
+    monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "2")
+    second_started = []
+    hold_first_file_until(monkeypatch, lambda: bool(second_started))
+    dumper = start_dumper(dump_dir, [1])
+
+    rids = submit_many(dumper, 3)
+    deadline = time.monotonic() + WAIT_TIMEOUT_S
+    while len(temp_files(dump_dir)) < 3:
+        assert time.monotonic() < deadline, f"files 2 and 3 not written: {os.listdir(dump_dir)}"
+        time.sleep(0.01)
+    start_dumper(dump_dir, [1], dp_rank=1)
+    assert len(temp_files(dump_dir)) == 3
+    second_started.append(True)
+    lines = wait_for_manifest(dump_dir, rids)
+
+    assert [line["rid"] for line in lines] == rids
+    assert stats(dumper)["errors"] == 0

@@ -33,7 +33,9 @@ the forward; background threads stitch, serialize and write them.
 """
 
 import fcntl
+import functools
 import importlib.util
+import io
 import json
 import logging
 import math
@@ -47,7 +49,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -358,8 +360,10 @@ class DumpTimings(_LogLine):
     """Where the dump's time went, in milliseconds summed since the start: on the
     scheduler thread, taking rows off the forward (`capture_ms`) and waiting for a full
     queue (`blocked_ms`); on the writer threads, waiting for rows to reach the host
-    (`copy_wait_ms`), writing and syncing files (`write_ms`), and waiting for their turn
-    in the manifest, renaming and appending its line (`manifest_ms`)."""
+    (`copy_wait_ms`), writing and syncing files (`write_ms`), and publishing them in
+    submission order, renaming each and appending its manifest line (`manifest_ms`; a
+    thread publishes every file that is due, its own and other threads', and never
+    waits for another's)."""
 
     LOG_PREFIX = "hidden states dump timings: "
 
@@ -419,22 +423,34 @@ class _Stats:
 
 
 class _InOrder:
-    """Lets jobs that several threads take from one FIFO queue append their manifest
-    lines in the order they were submitted: a job waits for the jobs before it."""
+    """Publishes the jobs that several threads take from one FIFO queue in the order they
+    were submitted, without a thread waiting for the jobs before its own: each thread
+    hands its finished job over and goes on, and the thread that hands over the job that
+    is due publishes it and every handed-over job due after it."""
 
     def __init__(self):
-        self._turn = threading.Condition()
-        self._next = 0
+        self._lock = threading.Lock()
+        self._next = 0  # the sequence due
+        self._finished: Dict[int, Callable[[], None]] = {}
+        self._publishing = False
 
-    def wait(self, sequence: int) -> None:
-        with self._turn:
-            self._turn.wait_for(lambda: self._next == sequence)
-
-    def done(self, sequence: int) -> None:
-        with self._turn:
-            self._turn.wait_for(lambda: self._next == sequence)
-            self._next += 1
-            self._turn.notify_all()
+    def finish(self, sequence: int, publish: Callable[[], None]) -> None:
+        """Hand over job `sequence`: `publish` runs once every earlier job's has, on
+        whichever thread gets there (this one, or one publishing already). It must not
+        raise."""
+        with self._lock:
+            self._finished[sequence] = publish
+            if self._publishing:
+                return  # the publishing thread will reach it
+            self._publishing = True
+        while True:
+            with self._lock:
+                publish = self._finished.pop(self._next, None)
+                if publish is None:
+                    self._publishing = False
+                    return
+                self._next += 1
+            publish()
 
 
 class DumpWriter:
@@ -509,16 +525,19 @@ class DumpWriter:
     def _run(self) -> None:
         while True:
             job = self.queue.get()
+            sequence = job.sequence
             try:
-                self.write_file(job)
+                publish = functools.partial(self._publish, self.write_file(job))
             except Exception as e:
-                logger.error(
-                    f"hidden states dump: request {job.request.rid!r} not written: {e!r}"
-                )
-                self.stats.add(errors=1)
-            finally:
-                self.in_order.done(job.sequence)
-                self.queue.task_done()
+                self._failed(job.request.rid, e)
+                publish = self.queue.task_done
+            # The job's host rows are released before its turn comes.
+            del job
+            self.in_order.finish(sequence, publish)
+
+    def _failed(self, rid: str, error: BaseException) -> None:
+        logger.error(f"hidden states dump: request {rid!r} not written: {error!r}")
+        self.stats.add(errors=1)
 
     def drain(self, timeout: float) -> int:
         """Wait until every submitted request is written (or has failed), at most
@@ -532,8 +551,9 @@ class DumpWriter:
                 self.queue.all_tasks_done.wait(left)
             return self.queue.unfinished_tasks
 
-    def write_file(self, job: _Job) -> None:
-        """Write one job's file and its manifest line (on a writer thread)."""
+    def write_file(self, job: _Job) -> "_WrittenFile":
+        """Write one job's file under its temporary name (on a writer thread); `_publish`
+        renames and lists it in its turn."""
         started = time.perf_counter()
         for chunk in job.chunks:
             chunk.rows.wait()
@@ -549,28 +569,24 @@ class DumpWriter:
         header = _safetensors_header(parts, num_tokens, metadata)
 
         name = f"{self.run_id}-{job.sequence + 1:09d}.safetensors"
-        final_path = os.path.join(self.dump_dir, name)
         temp_path = os.path.join(self.dump_dir, TEMP_PREFIX + name)
         os.makedirs(self.dump_dir, exist_ok=True)
         size = len(header)
+        f = open(temp_path, "xb")
         try:
-            with open(temp_path, "xb") as f:
-                # Held while the file is written: a writer starting on the same
-                # directory removes only temporary files nobody holds.
-                fcntl.flock(f, fcntl.LOCK_EX)
-                f.write(header)
-                # The chunks go straight from the host rows to the file: no
-                # concatenated copy, no serialized copy.
-                for tensors in parts.values():
-                    for part in tensors:
-                        size += f.write(_as_bytes(part))
-                f.flush()
-                os.fsync(f.fileno())
-            written = time.perf_counter()
-            # Renamed in turn, so a killed server leaves only temporary files behind.
-            self.in_order.wait(job.sequence)
-            os.replace(temp_path, final_path)
+            # Held until the file is published: a writer starting on the same directory
+            # removes only temporary files nobody holds.
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(header)
+            # The chunks go straight from the host rows to the file: no concatenated
+            # copy, no serialized copy.
+            for tensors in parts.values():
+                for part in tensors:
+                    size += f.write(_as_bytes(part))
+            f.flush()
+            os.fsync(f.fileno())
         except BaseException:
+            f.close()
             _remove_quietly(temp_path)
             raise
         line = json.dumps(
@@ -583,17 +599,49 @@ class DumpWriter:
                 "dtype": str(hidden_states.dtype).replace("torch.", ""),
             }
         )
+        seconds = dict(copy_wait_ms=copied - started, write_ms=time.perf_counter() - copied)
+        return _WrittenFile(job.request.rid, name, f, line, num_tokens, size, seconds)
+
+    def _publish(self, written: "_WrittenFile") -> None:
+        """Rename a written file to its final name and append its manifest line; renamed
+        in turn, so a killed server leaves at most one file not in the manifest."""
+        started = time.perf_counter()
+        final_path = os.path.join(self.dump_dir, written.name)
+        temp_path = os.path.join(self.dump_dir, TEMP_PREFIX + written.name)
         try:
-            _append_line(os.path.join(self.dump_dir, self.manifest_name), line)
-        except BaseException:
-            _remove_quietly(final_path)
-            raise
-        seconds = dict(
-            copy_wait_ms=copied - started,
-            write_ms=written - copied,
-            manifest_ms=time.perf_counter() - written,
-        )
-        self.stats.add(seconds, files=1, tokens=num_tokens, bytes=size)
+            try:
+                os.replace(temp_path, final_path)
+            except BaseException:
+                _remove_quietly(temp_path)
+                raise
+            try:
+                _append_line(os.path.join(self.dump_dir, self.manifest_name), written.line)
+            except BaseException:
+                _remove_quietly(final_path)
+                raise
+        except Exception as e:
+            self._failed(written.rid, e)
+        else:
+            seconds = dict(written.seconds, manifest_ms=time.perf_counter() - started)
+            self.stats.add(
+                seconds, files=1, tokens=written.num_tokens, bytes=written.size
+            )
+        finally:
+            written.file.close()
+            self.queue.task_done()
+
+
+@dataclass
+class _WrittenFile:
+    """A job's file, written under its temporary name, waiting for its turn."""
+
+    rid: str
+    name: str
+    file: io.BufferedWriter  # open, holding its lock
+    line: str  # its manifest line
+    num_tokens: int
+    size: int
+    seconds: Dict[str, float]
 
 
 _SAFETENSORS_DTYPES = {
