@@ -1,4 +1,4 @@
-"""The dump writer alone: bytes/s it lands on a filesystem with 1, 2, 4, 8 writer threads,
+"""The dump writer alone: bytes/s it lands on a filesystem with 1, 2, 4, 8, 16 writer threads,
 against `dd conv=fsync` to the same directory, alternating the contenders each round.
 
     python -m scripts.bench.writer --dir DIR [--hidden-size 7168] [--tokens 512] [--files 64] --out FILE.json
@@ -25,7 +25,7 @@ from scripts.bench.measure import dd_rate, filesystem, summary, wait_for_lines
 
 LAYER_IDS = [3, 31, 59]  # EAGLE-3's default for a 61-layer model
 NUM_MODEL_LAYERS = 61
-THREAD_COUNTS = (1, 2, 4, 8)
+THREAD_COUNTS = (1, 2, 4, 8, 16)
 
 
 def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int) -> float:

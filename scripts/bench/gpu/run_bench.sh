@@ -2,7 +2,7 @@
 # Runs ON the GPU machine, from the repository root, with .devcarry/site.tar.xz carried:
 # the benchmark suites named as arguments, upstream and patched trees side by side.
 # `writer` runs scripts/bench/writer.py (the dump writer alone, on the disk and on
-# /dev/shm); any other name is a scripts/bench/dump.py suite. BENCH_DEADLINE_S, when set,
+# /dev/shm), `pinned` scripts/bench/pinned.py (pinned host allocations, cold and warm); any other name is a scripts/bench/dump.py suite. BENCH_DEADLINE_S, when set,
 # is bench_dump's --deadline-s; BENCH_TIMEOUT_S, when set, stops bench_dump after that
 # many seconds, so its log and the servers' logs still reach $OUT before the call's own
 # limit. Results land in $OUT/bench-*.json, bench_dump's output in $OUT/bench-gpu*.log as
@@ -29,6 +29,9 @@ for suite in "$@"; do
             tail -n 3 "$OUT/bench-writer-$name.txt"
             rm -rf "$target"
         done
+    elif [ "$suite" = pinned ]; then
+        python3 -m scripts.bench.pinned --out "$OUT/bench-pinned.json" > "$OUT/bench-pinned.txt" 2>&1 || status=1
+        tail -n 12 "$OUT/bench-pinned.txt"
     else
         suites+=(--suite "$suite")
     fi
