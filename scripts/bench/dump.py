@@ -67,9 +67,12 @@ PRESETS = {
     # prefill CUDA graphs' token limit, so graphs would only serve warmup; off, servers
     # start in a third of the time.
     # Up to seven servers share the GPU. Each prefill contender also dumps to the tmpfs with
-    # one setting changed (tmpfs_variants): the levers measured one at a time.
+    # one setting changed (tmpfs_variants): the levers measured one at a time. Servers
+    # starting at once see each other's allocations as their own weights' while they load,
+    # so the static fraction leaves room for that; --max-total-tokens, not the fraction,
+    # sizes each KV cache (1.2 GB).
     "gpu": dict(model=dict(layers=4, widths="deepseek", hidden_size=7168), prompts=512, prompt_len=512,
-                repeats=5, server_args=SERVER_ARGS + ("--mem-fraction-static", "0.11", "--max-total-tokens", "262144",
+                repeats=5, server_args=SERVER_ARGS + ("--mem-fraction-static", "0.25", "--max-total-tokens", "262144",
                                                           "--disable-cuda-graph"),
                 lengths=(128, 512, 2048, 8192), layer_counts=(1, 4), hidden_prompts=64, fidelity_prompts=16,
                 tmpfs_dir="/dev/shm",
