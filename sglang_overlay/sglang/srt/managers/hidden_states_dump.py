@@ -32,8 +32,8 @@ an extend batch are dumped, and the model hands its outputs to
 the forward; background threads stitch, serialize and write them.
 """
 
+import bisect
 import fcntl
-import functools
 import importlib.util
 import io
 import json
@@ -47,8 +47,9 @@ import signal
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field, fields
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -306,6 +307,59 @@ class Chunk:
         return getattr(self.rows, name)[self.start : self.end]
 
 
+class HostBuffers:
+    """Host buffers for the rows of each forward, reused across forwards: a forward's
+    buffer comes back once the last file that reads it is written (its HostRows are
+    gone), and a later forward takes the smallest free buffer that holds its rows.
+    PyTorch's caching host allocator reuses a freed pinned block only for a request of
+    the same power-of-two size, so forwards of mixed sizes kept pinning new blocks long
+    after warm-up (scripts/bench/pinned.py; BENCHMARKS.md). The pool never holds more
+    buffers than were in flight at once."""
+
+    ALIGNMENT = 64  # bytes, of each tensor inside a buffer
+
+    def __init__(self, pin_memory: bool):
+        self.pin_memory = pin_memory
+        self._lock = threading.Lock()
+        self._free: List[torch.Tensor] = []  # uint8 buffers, by ascending size
+
+    def rows(self, tensors: Dict[str, torch.Tensor], **fields_) -> HostRows:
+        """Empty host rows shaped like `tensors` (a forward's rows on the device), in one
+        buffer of the pool that returns to it with the rows."""
+        sizes = [_aligned(t.numel() * t.element_size(), self.ALIGNMENT) for t in tensors.values()]
+        buffer = self._take(sum(sizes))
+        views, offset = {}, 0
+        for (name, tensor), size in zip(tensors.items(), sizes):
+            nbytes = tensor.numel() * tensor.element_size()
+            views[name] = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+            offset += size
+        rows = HostRows(**views, **fields_)
+        weakref.finalize(rows, self._give_back, buffer).atexit = False
+        return rows
+
+    def free_buffers(self) -> List[torch.Tensor]:
+        with self._lock:
+            return list(self._free)
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            for index, buffer in enumerate(self._free):
+                if buffer.numel() >= nbytes:
+                    return self._free.pop(index)
+        # At most an eighth more than asked for (2 MiB steps below 32 MiB).
+        size = _aligned(nbytes, max(1 << 21, 1 << max(nbytes.bit_length() - 4, 0)))
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            sizes = [free.numel() for free in self._free]
+            self._free.insert(bisect.bisect(sizes, buffer.numel()), buffer)
+
+
+def _aligned(nbytes: int, alignment: int) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
 @dataclass
 class _Partial:
     """A request whose prompt is prefilled in chunks: the chunks seen so far."""
@@ -527,7 +581,7 @@ class DumpWriter:
             job = self.queue.get()
             sequence = job.sequence
             try:
-                publish = functools.partial(self._publish, self.write_file(job))
+                publish = partial(self._publish, self.write_file(job))
             except Exception as e:
                 self._failed(job.request.rid, e)
                 publish = self.queue.task_done
@@ -887,6 +941,7 @@ class HiddenStatesDumper:
         self.layer_ids = layer_ids
         self.dtype = dtype  # SGLANG_HS_DUMP_DTYPE: None (the model's), "bf16" or "fp8"
         self._copy_stream = None  # device-to-host copies leave the forward's stream
+        self.host_buffers = HostBuffers(pin_memory=torch.cuda.is_available())
         # The model appends aux hidden states as its layers run, i.e. by ascending id.
         self._aux_order = [sorted(layer_ids).index(i) for i in layer_ids]
         self.is_writer = is_writer
@@ -1013,7 +1068,10 @@ class HiddenStatesDumper:
     def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans):
         if hidden_states.device.type == "cpu":
             device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
-            return HostRows(**{name: t.clone() for name, t in device_rows.items()})
+            host_rows = self.host_buffers.rows(device_rows)
+            for name, tensor in device_rows.items():
+                getattr(host_rows, name).copy_(tensor)
+            return host_rows
         # On their own stream, so the next forward does not wait for the copies; the
         # inputs, made on the forward's stream, stay allocated until the copies are done.
         if self._copy_stream is None:
@@ -1022,20 +1080,15 @@ class HiddenStatesDumper:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
-            host_rows = {}
+            host_rows = self.host_buffers.rows(device_rows, ready=torch.cuda.Event())
             for name, tensor in device_rows.items():
-                host = torch.empty(
-                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True
-                )
-                host.copy_(tensor, non_blocking=True)
-                host_rows[name] = host
-            ready = torch.cuda.Event()
-            ready.record(stream)
+                getattr(host_rows, name).copy_(tensor, non_blocking=True)
+            host_rows.ready.record(stream)
         inputs = [forward_batch.input_ids, hidden_states]
         inputs += [aux_hidden_states] if isinstance(aux_hidden_states, torch.Tensor) else list(aux_hidden_states)
         for tensor in inputs:
             tensor.record_stream(stream)
-        return HostRows(ready=ready, **host_rows)
+        return host_rows
 
     def _rows(self, forward_batch, hidden_states, aux_hidden_states, spans):
         """The dumped requests' rows of this forward, in the file's form: token ids,
