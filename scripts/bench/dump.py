@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -112,6 +113,13 @@ def prefill_contenders(run: BenchRun) -> Dict[str, Tuple[Optional[Path], Dict[st
             dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{index}-", dir=preset["tmpfs_dir"]))
             contenders[f"patched, dump on (tmpfs{label})"] = (dump_dir, env)
     return contenders
+
+
+def stop_all(servers) -> None:
+    """Stop servers side by side: each can take half a minute to exit (0.5.14's launcher
+    treats its terminated detokenizer as a crash, then waits)."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(Server.stop, servers))
 
 
 def dump_profile(server: Server, seconds: float) -> Optional[dict]:
@@ -191,8 +199,7 @@ def suite_prefill(run: BenchRun) -> dict:
             run.progress(f"prefill: round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.2f}s" for n, s in seconds.items()))
         rss = {name: total_rss_kib(server) for name, server in servers.items()}
     finally:
-        for server in servers.values():
-            server.stop()  # a dumping server logs its timings as it exits
+        stop_all(servers.values())  # a dumping server logs its timings as it exits
     return result(rss, {name: dump_profile(servers[name], measured[name]) for name in names if dumps[name]})
 
 
@@ -269,8 +276,7 @@ def suite_write(run: BenchRun) -> dict:
             send_all(servers["dump off"], prompts)
         rss = {name: total_rss_kib(server) for name, server in servers.items()}
     finally:
-        for server in servers.values():
-            server.stop()
+        stop_all(servers.values())
     return {"bytes_per_s": {"dump": summary(dump_rates), "dd conv=fsync": summary(dd_rates)},
             "ratio": {"dump / dd": summary([d / r for d, r in zip(dump_rates, dd_rates)])},
             "server_rss_kib_after": rss, "filesystem": filesystem(dump_dir),
@@ -348,8 +354,7 @@ def suite_fp8(run: BenchRun) -> dict:
             send_and_land(server, prompts, dirs[encoding])
         send_and_land(servers["bf16"], prompts, dirs["bf16"])  # the floor's second dump
     finally:
-        for server in servers.values():
-            server.stop()
+        stop_all(servers.values())
 
     def states(encoding) -> Dict[Tuple[int, ...], List[dict]]:
         """Per prompt (its token ids), each of its dumps as float32 [T, K + 1, H]."""

@@ -36,16 +36,19 @@ for suite in "$@"; do
         suites+=(--suite "$suite")
     fi
 done
+# BENCH_WORK_ROOT: where bench_dump's work dirs go, and so the dumps of the suites that
+# dump into them (hidden, write, scaling): /tmp (the disk) unless set, e.g. to /dev/shm.
+WORK_ROOT=${BENCH_WORK_ROOT:-/tmp}
 deadline=()
 [ -n "${BENCH_DEADLINE_S:-}" ] && deadline=(--deadline-s "$BENCH_DEADLINE_S")
 bench_dump() {  # bench_dump NAME SUITE_ARGS...: one bench_dump process, its results and log named NAME
     local name=$1
     shift
     timeout "${BENCH_TIMEOUT_S:-0}" python3 -m scripts.bench.dump "$@" "${deadline[@]}" \
-        --preset gpu --work-dir "/tmp/bench-$name" --out "$OUT/bench-$name.json" > "$OUT/bench-$name.log" 2>&1
+        --preset gpu --work-dir "$WORK_ROOT/bench-$name" --out "$OUT/bench-$name.json" > "$OUT/bench-$name.log" 2>&1
     local code=$?
-    tail -n 30 /tmp/bench-"$name"/*.log > "$OUT/server-logs-tail-$name.txt" 2>/dev/null
-    gzip -c /tmp/bench-"$name"/py-spy-raw.txt > "$OUT/py-spy-raw-$name.txt.gz" 2>/dev/null || rm -f "$OUT/py-spy-raw-$name.txt.gz"
+    tail -n 30 "$WORK_ROOT/bench-$name"/*.log > "$OUT/server-logs-tail-$name.txt" 2>/dev/null
+    gzip -c "$WORK_ROOT/bench-$name"/py-spy-raw.txt > "$OUT/py-spy-raw-$name.txt.gz" 2>/dev/null || rm -f "$OUT/py-spy-raw-$name.txt.gz"
     return $code
 }
 if [ ${#suites[@]} -gt 0 ] && [ -n "${BENCH_PARALLEL:-}" ]; then
