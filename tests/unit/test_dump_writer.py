@@ -81,44 +81,6 @@ def test_a_rid_that_cannot_be_encoded_costs_only_its_own_file(dump_dir):
     assert_dir_holds_exactly(dump_dir, lines)
 
 
-def test_writer_threads_write_files_side_by_side_and_keep_the_manifest_in_order(dump_dir, monkeypatch):
-    # The first request's fsync waits until three later files are fsynced: only parallel
-    # writers get there. None of them is renamed or listed before the first.
-    monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "4")
-    fsync = os.fsync
-    later_files_synced = []
-    seen_while_first_held = []
-
-    def fsync_after_three_others(fd):
-        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
-        dump_file = name.startswith(hidden_states_dump.TEMP_PREFIX)
-        first = dump_file and name.endswith("-000000001.safetensors")
-        if first:
-            deadline = time.monotonic() + WAIT_TIMEOUT_S
-            while len(later_files_synced) < 3:
-                assert time.monotonic() < deadline, "no other writer got a file to disk"
-                time.sleep(0.01)
-            seen_while_first_held.append(sorted(os.listdir(dump_dir)))
-        fsync(fd)
-        if dump_file and not first:
-            later_files_synced.append(name)
-
-    monkeypatch.setattr(os, "fsync", fsync_after_three_others)
-    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
-
-    rids = submit_many(dumper, 12)
-    lines = wait_for_manifest(dump_dir, rids)
-
-    # Four or more temporary files on disk (the other threads go on to later files), no
-    # final file and no manifest yet.
-    [seen] = seen_while_first_held
-    assert len(seen) >= 4 and all(n.startswith(hidden_states_dump.TEMP_PREFIX) for n in seen)
-    assert [line["rid"] for line in lines] == rids
-    for i, line in enumerate(lines):
-        assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [0, 1, 2, 3, 4])
-    assert_dir_holds_exactly(dump_dir, lines)
-
-
 def test_a_full_queue_blocks_by_default_and_loses_nothing(dump_dir, monkeypatch):
     monkeypatch.setenv("SGLANG_HS_DUMP_QUEUE_SIZE", "1")
     dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
@@ -191,9 +153,9 @@ def test_timings_say_whether_the_scheduler_waited_for_the_disk(dump_dir, monkeyp
     assert DumpCounters.parse(caplog.text).files == 8
 
 
-def hold_first_file_until(monkeypatch, released) -> list:
+def hold_first_file_until(monkeypatch, dump_dir, released) -> list:
     """Make the first dump file's fsync wait until `released()` holds; returns the
-    listings of the directory taken while it waited (one)."""
+    listings of `dump_dir` taken while it waited (one)."""
     fsync = os.fsync
     seen_while_first_held = []
 
@@ -204,7 +166,7 @@ def hold_first_file_until(monkeypatch, released) -> list:
             while not released():
                 assert time.monotonic() < deadline, "the first file was never released"
                 time.sleep(0.01)
-            seen_while_first_held.append(sorted(os.listdir(os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")))))
+            seen_while_first_held.append(sorted(os.listdir(dump_dir)))
         fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync_holding_the_first)
@@ -215,23 +177,24 @@ def temp_files(dump_dir) -> list:
     return [n for n in os.listdir(dump_dir) if n.startswith(hidden_states_dump.TEMP_PREFIX)]
 
 
-def test_a_thread_whose_file_is_not_due_goes_on_to_the_next(dump_dir, monkeypatch):
-    # Two threads; the first file is held until five later files are written. Only a
-    # thread that hands its written file over, instead of waiting for the first file's
-    # turn, gets there: the other thread writes files 2 to 6 alone.
-    monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "2")
-    seen = hold_first_file_until(monkeypatch, lambda: len(temp_files(dump_dir)) >= 6)
-    dumper = start_dumper(dump_dir, [1, 2])
+def test_writer_threads_write_side_by_side_and_never_wait_for_an_earlier_files_turn(dump_dir, monkeypatch):
+    # Four threads; the first file's fsync is held until seven later files are written.
+    # Only threads that write side by side and hand a written file over, instead of
+    # waiting for the first file's turn, get there (one of the other three writes at
+    # least three files). None is renamed or listed before the first.
+    monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "4")
+    seen = hold_first_file_until(monkeypatch, dump_dir, lambda: len(temp_files(dump_dir)) >= 8)
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
 
-    rids = submit_many(dumper, 8)
+    rids = submit_many(dumper, 12)
     lines = wait_for_manifest(dump_dir, rids)
 
-    # Six or more temporary files (the thread may have begun a seventh), nothing published.
+    # Eight or more temporary files (a thread may have begun another), nothing published.
     [listing] = seen
-    assert len(listing) >= 6 and all(n.startswith(hidden_states_dump.TEMP_PREFIX) for n in listing)
+    assert len(listing) >= 8 and all(n.startswith(hidden_states_dump.TEMP_PREFIX) for n in listing)
     assert [line["rid"] for line in lines] == rids
     for i, line in enumerate(lines):
-        assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [1, 2])
+        assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [0, 1, 2, 3, 4])
     assert_dir_holds_exactly(dump_dir, lines)
 
 
@@ -241,7 +204,7 @@ def test_a_written_file_waiting_for_its_turn_survives_another_writer_starting(du
     # still held.
     monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "2")
     second_started = []
-    hold_first_file_until(monkeypatch, lambda: bool(second_started))
+    hold_first_file_until(monkeypatch, dump_dir, lambda: bool(second_started))
     dumper = start_dumper(dump_dir, [1])
 
     rids = submit_many(dumper, 3)
