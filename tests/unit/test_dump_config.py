@@ -1,5 +1,5 @@
 """The dump module's configuration: layer ids, which requests are dumped, the dump
-directory, and the server configurations it refuses."""
+directory, the server configurations it refuses, and the writer threads' default."""
 
 import os
 from types import SimpleNamespace
@@ -15,8 +15,10 @@ from sglang.srt.managers.hidden_states_dump import (
     requests_to_dump,
     wants_dump,
 )
+from sglang.srt.managers import hidden_states_dump
 from sglang.srt.sampling.sampling_params import SamplingParams
 from tests.unit.conftest import RELEASE
+from tests.unit.dump_standins import start_dumper
 
 
 # --- parse_layer_ids ---------------------------------------------------------------
@@ -224,3 +226,13 @@ def test_check_server_args_names_every_refusal():
         check_server_args(server_args(**{k: v for overrides, _ in REFUSALS for k, v in overrides.items()}))
     for _, named in REFUSALS:
         assert named in str(error.value)
+
+
+@pytest.mark.parametrize("cores, threads", [(2, 4), (16, 4), (32, 8), (64, 16), (256, 16)])
+def test_writer_threads_unset_come_from_the_hosts_cores(dump_dir, monkeypatch, caplog, cores, threads):
+    # Every release declares the variable with 0 (from the host's cores) as its default.
+    monkeypatch.delenv("SGLANG_HS_DUMP_WRITER_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    with caplog.at_level("INFO", logger=hidden_states_dump.__name__):
+        start_dumper(dump_dir, [1])
+    assert f"writer_threads={threads}" in caplog.text
