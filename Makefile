@@ -95,17 +95,16 @@ test-release: test-unit test-server ## unit and server tests for VERSION
 # releases are added.
 FULL_SERVER_SUITE ?= $(shell $(PYTHON) -m scripts.toolchain.lock default) 0.5.9
 
-# Without SGLANG_VERSION: every release in sglang.lock. PRUNE_RUNTIMES=1 removes each release's
+# Without SGLANG_VERSION: every release in sglang.lock, in TEST_LANES lanes side by side
+# (scripts/test_matrix.sh). PRUNE_RUNTIMES=1 runs one lane and removes each release's
 # runtime after its tests (a disk that holds one runtime at a time; CI on a small disk).
 PRUNE_RUNTIMES ?=
+TEST_LANES ?= 2
 test: test-tools test-matrix ## everything CI runs: toolchain tests, then per release unit tests and test-warmup, the server suite on FULL_SERVER_SUITE
 
-test-matrix: ## per release (SGLANG_VERSION=: that one) unit tests and test-warmup, the whole server suite on FULL_SERVER_SUITE
-	set -e; for version in $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.toolchain.lock versions)); do \
-		case " $(FULL_SERVER_SUITE) " in *" $$version "*) server=test-server;; *) server=test-warmup;; esac; \
-		$(MAKE) --no-print-directory test-unit $$server SGLANG_VERSION=$$version $(if $(SGLANG_DIR),SGLANG_DIR=$(SGLANG_DIR)); \
-		$(if $(PRUNE_RUNTIMES),rm -rf .venv/sglang-$$version;) \
-	done
+test-matrix: tools $(LIBCUDA_STUB_DIR)/libcuda.so.1 ## per release (SGLANG_VERSION=: that one) unit tests and test-warmup, the whole server suite on FULL_SERVER_SUITE; TEST_LANES releases at a time
+	FULL_SERVER_SUITE="$(FULL_SERVER_SUITE)" TEST_LANES="$(TEST_LANES)" PRUNE_RUNTIMES="$(PRUNE_RUNTIMES)" SGLANG_DIR="$(SGLANG_DIR)" \
+		scripts/test_matrix.sh $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.toolchain.lock versions))
 
 demo: apply runtime ## the whole path on a tiny model: conversations -> generate -> dump -> SpecForge and speculators exports
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.dumps.demo
