@@ -1,8 +1,8 @@
 #!/bin/bash
 # make test-matrix: for each release given, its unit tests, then its whole server suite
-# (releases in FULL_SERVER_SUITE) or make test-warmup. A server test spends most of its
-# time starting servers, one core at a time, so the releases run in TEST_LANES lanes side
-# by side: the whole-suite releases first, one per lane, the others after them. With more
+# (releases in FULL_SERVER_SUITE) or make test-warmup, the whole-suite releases first. With
+# TEST_LANES > 1 the releases run in lanes side by side, the whole-suite releases one per
+# lane (for hosts with cores to spare: on two cores a CPU-bound server test timed out). With more
 # than one lane each release's output goes to .cache/test-matrix/<version>.log, printed
 # once every lane is done. PRUNE_RUNTIMES=1 (a disk that holds one runtime at a time)
 # runs one lane and removes each release's runtime after its tests.
@@ -10,7 +10,7 @@
 # PRUNE_RUNTIMES, SGLANG_DIR and its own command-line variables such as PYTEST_ARGS).
 set -uo pipefail
 make=${MAKE:-make}
-lanes=${TEST_LANES:-2}
+lanes=${TEST_LANES:-1}
 [ -n "${PRUNE_RUNTIMES:-}" ] && lanes=1
 dir_arg=()
 [ -n "${SGLANG_DIR:-}" ] && dir_arg=(SGLANG_DIR="$SGLANG_DIR")
