@@ -26,7 +26,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release demo generate bench bench-generate bench-writer clean
+.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release demo generate bench bench-generate bench-writer clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -38,10 +38,12 @@ $(TOOLS_VENV)/.installed: requirements/tools.txt
 
 tools: $(TOOLS_VENV)/.installed ## the small environment apply/verify/revert/refresh need
 
-apply: tools ## build the pinned checkout (or patch SGLANG_DIR) and apply the series; a no-op when applied
+# Every target that runs SGLang (its recipe uses $(RUNTIME_ENV)) depends on apply, which refuses a
+# checkout whose files differ from sglang_overlay/; tests/toolchain/test_makefile.py checks it.
+apply: tools ## build the pinned checkout (or patch SGLANG_DIR) and apply the series; a no-op when applied, refused when stale
 	$(TOOLS_PY) -m scripts.toolchain apply $(SCRIPT_ARGS)
 
-verify: tools ## report every hunk as applies/applied/drift; never writes (exit 0 ok, 1 drift or half-applied, 2 usage)
+verify: tools ## report every hunk as applies/applied/drift and every stale file; never writes (exit 0 ok, 1 drift, half-applied or stale, 2 usage)
 	$(TOOLS_PY) -m scripts.toolchain verify $(SCRIPT_ARGS)
 
 revert: tools ## restore the upstream bytes of every patched file
@@ -49,6 +51,9 @@ revert: tools ## restore the upstream bytes of every patched file
 
 refresh-patches: tools ## regenerate patches/v<version>/ from the pinned checkout's commits
 	$(TOOLS_PY) -m scripts.toolchain refresh-patches $(SCRIPT_ARGS)
+
+readme-tables: tools ## regenerate README.md's per-release patch tables from patches/
+	$(TOOLS_PY) -m scripts.toolchain readme-tables
 
 port: tools ## carry FROM's series to release TO (git three-way); adds TO to sglang.lock once every patch is in
 	$(TOOLS_PY) -m scripts.toolchain port --from "$(FROM)" --to "$(TO)" $(if $(PORT_PYTHON),--python $(PORT_PYTHON))

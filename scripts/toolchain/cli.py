@@ -1,18 +1,19 @@
 """Command line: python -m scripts.toolchain {verify,apply,revert,refresh-patches} [--version V] [--dir D] [--lock L]
+                python -m scripts.toolchain readme-tables [--lock L]
                 python -m scripts.toolchain port --from V --to W [--python X.Y]
                 python -m scripts.toolchain {port-continue,port-skip,port-abort} [--to W]
 
-Exit codes: 0 clean or done, 1 drift / half-applied / refused, 2 usage error.
+Exit codes: 0 clean or done, 1 drift / half-applied / stale / refused, 2 usage error.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-from scripts.toolchain import operations, port
+from scripts.toolchain import operations, port, readme
 from scripts.toolchain.errors import USAGE, ToolError
 from scripts.toolchain.hunks import DRIFT
-from scripts.toolchain.inspection import Inspection, half_applied_advice
+from scripts.toolchain.inspection import Inspection, half_applied_advice, stale_advice
 from scripts.toolchain.lock import LOCK_PATH, load_lock
 
 
@@ -36,12 +37,15 @@ def format_inspection(inspection: Inspection, allow_unlocked: bool = False) -> s
             out += ["      found:    " + repr(line) for line in report.found[:6]]
     summary = {
         "clean": "clean: the whole series applies",
-        "applied": "applied: every patch of the series is in",
+        "applied": "applied: every patch of the series is in" + (", but the tree is stale" if inspection.stale else ""),
         "partial": f"half-applied: {state.applied_count} of {len(inspection.patches)} patches are in",
         "drift": "drift: the series cannot be applied to this tree",
     }[state.kind]
+    out += [f"stale: {path}" for path in inspection.stale]
     out.append(f"state: {summary}")
-    if state.kind in ("partial", "drift"):
+    if inspection.stale:
+        out.append(stale_advice(inspection, inspection.stale))
+    elif state.kind in ("partial", "drift"):
         out.append(half_applied_advice(inspection))
     elif state.kind == "clean" and not inspection.locked:
         out.append(("warning: " if allow_unlocked else "unlocked: ") + operations.unlocked_advice(inspection))
@@ -51,14 +55,14 @@ def format_inspection(inspection: Inspection, allow_unlocked: bool = False) -> s
 def verified(inspection: Inspection, allow_unlocked: bool) -> bool:
     """What verify's exit status says: apply would go through (or has), as make apply runs it."""
     if inspection.state.kind == "applied":
-        return True
+        return not inspection.stale
     return inspection.state.kind == "clean" and (inspection.locked or allow_unlocked)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.toolchain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["verify", "apply", "revert", "refresh-patches",
+    parser.add_argument("command", choices=["verify", "apply", "revert", "refresh-patches", "readme-tables",
                                             "port", "port-continue", "port-skip", "port-abort"])
     parser.add_argument("--version", default=None, help="an SGLang release in sglang.lock (default: its default)")
     parser.add_argument("--dir", default=None, type=Path,
@@ -94,6 +98,10 @@ def main(argv=None) -> int:
             print(operations.apply(version, args.dir, args.allow_unlocked, lock))
         elif args.command == "revert":
             print(operations.revert(version, args.dir, lock))
+        elif args.command == "readme-tables":
+            path = args.lock.resolve().parent / readme.README_NAME
+            changed = readme.update(path, lock)
+            print(f"rewrote the patch tables in {path}" if changed else f"the patch tables in {path} are up to date")
         else:
             names = operations.refresh_patches(version, lock)
             print(f"wrote {len(names)} patches and the series file")

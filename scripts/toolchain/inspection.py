@@ -1,6 +1,7 @@
-"""Where a tree stands against a series: every hunk applies, is applied, or has drifted. Writes nothing."""
+"""Where a tree stands against a series: every hunk applies, is applied, or has drifted, and whether
+the files the series adds still equal their one source in sglang_overlay/. Writes nothing."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
@@ -8,6 +9,7 @@ from scripts.toolchain import checkout
 from scripts.toolchain.errors import USAGE, ToolError
 from scripts.toolchain.hunks import TreeState, classify, series_paths
 from scripts.toolchain.lock import Lock, Release, load_lock, sha256_bytes
+from scripts.toolchain.overlay import OVERLAY_DIR, read_overlay, stale_in_tree
 from scripts.toolchain.series import Patch, load_series
 from scripts.toolchain.tree import Tree, locate
 
@@ -19,6 +21,8 @@ class Inspection:
     patches: List[Patch]
     state: TreeState
     matching_release: Optional[Release]  # the locked release the tree's upstream files equal
+    # Overlay files an applied tree lacks or holds with other bytes (package-root paths).
+    stale: List[str] = field(default_factory=list)
 
     @property
     def locked(self) -> bool:
@@ -67,7 +71,8 @@ def _inspect_with(lock: Lock, release: Release, tree: Tree) -> Inspection:
             for path, lines in state.upstream.items()
         }
         matching = lock.matching_release(hashes)
-    return Inspection(release, tree, patches, state, matching)
+    stale = stale_in_tree(tree, read_overlay(release.root / OVERLAY_DIR)) if state.kind == "applied" else []
+    return Inspection(release, tree, patches, state, matching, stale)
 
 
 def half_applied_advice(inspection: Inspection) -> str:
@@ -86,3 +91,16 @@ def half_applied_advice(inspection: Inspection) -> str:
     return ("The tree has drifted: some hunks match neither the upstream nor the patched lines "
             "(hand edits, another release, or another patch set). Restore the upstream files "
             "(reinstall the release, or `git checkout` them in a clone), then run `make apply`.")
+
+
+def stale_advice(inspection: Inspection, stale: List[str]) -> str:
+    version = inspection.release.version
+    refresh = f"make refresh-patches SGLANG_VERSION={version}"
+    text = (f"{inspection.tree.package_root} is stale: it does not hold {', '.join(stale)} as "
+            f"{OVERLAY_DIR}/, their one source, has them, so SGLang would run an old copy. ")
+    if inspection.pinned:
+        return text + (f"Run `{refresh}`: it amends the checkout's commits to the overlay's bytes and "
+                       f"regenerates patches/v{version}/ from them.")
+    tree_args = f"SGLANG_VERSION={version} SGLANG_DIR={inspection.tree.root}"
+    return text + (f"Take the series out with `make revert {tree_args}`, bring patches/v{version}/ up to "
+                   f"the overlay with `{refresh}`, then run `make apply {tree_args}`.")

@@ -5,9 +5,9 @@ from typing import List
 from scripts.toolchain import checkout, refresh
 from scripts.toolchain.errors import ToolError
 from scripts.toolchain.hunks import apply_chain, series_paths
-from scripts.toolchain.inspection import Inspection, existing_checkout, half_applied_advice, inspect
+from scripts.toolchain.inspection import Inspection, existing_checkout, half_applied_advice, inspect, stale_advice
 from scripts.toolchain.lock import load_lock
-from scripts.toolchain.overlay import OVERLAY_DIR
+from scripts.toolchain.overlay import OVERLAY_DIR, read_overlay, stale_in_tree
 
 
 def verify(version=None, sglang_dir=None, lock=None) -> Inspection:
@@ -18,6 +18,8 @@ def apply(version=None, sglang_dir=None, allow_unlocked=False, lock=None) -> str
     inspection = inspect(version, sglang_dir, lock)
     state = inspection.state
     if state.kind == "applied":
+        if inspection.stale:
+            raise ToolError(stale_advice(inspection, inspection.stale))
         return f"the series for sglang {inspection.release.version} is already applied; nothing to do"
     if state.kind != "clean":
         raise ToolError(half_applied_advice(inspection))
@@ -29,6 +31,11 @@ def apply(version=None, sglang_dir=None, allow_unlocked=False, lock=None) -> str
     else:
         patched, _ = apply_chain(files, inspection.patches, reverse=False)
         inspection.tree.write(patched, files)
+    # The series itself may be older than the overlay: what it just wrote must not run either.
+    stale = stale_in_tree(inspection.tree, read_overlay(inspection.release.root / OVERLAY_DIR))
+    if stale:
+        raise ToolError(f"The series is applied, but patches/v{inspection.release.version}/ is older than "
+                        f"{OVERLAY_DIR}/. " + stale_advice(inspection, stale))
     return f"applied {len(inspection.patches)} patches for sglang {inspection.release.version} to {inspection.tree.root}"
 
 

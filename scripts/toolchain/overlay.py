@@ -3,7 +3,8 @@ package root that holds `sglang/`) and carried into every release's series from 
 
 refresh-patches first makes the pinned checkout agree with the overlay: it amends the commit
 that adds each file (a fixup commit squashed in by git's own autosquash), so the patch then
-generated from that commit holds the file exactly as the overlay has it.
+generated from that commit holds the file exactly as the overlay has it. Until then the
+checkout is stale: verify reports its files, and apply refuses it.
 """
 
 from pathlib import Path
@@ -47,32 +48,49 @@ def stale_in_series(patches: List[Patch], overlay: Dict[str, bytes]) -> List[str
     return sorted(path for path, data in added_files(patches).items() if path in overlay and overlay[path] != data)
 
 
+def stale_in_tree(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
+    """Overlay files the tree's package root lacks or holds with other bytes: an old copy would run."""
+    return sorted(
+        path for path, data in overlay.items()
+        if not (tree.package_root / path).is_file() or (tree.package_root / path).read_bytes() != data
+    )
+
+
 def sync_checkout(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
     """Amend the commit that adds each overlay file so that it holds the overlay's bytes;
-    returns the paths that changed. Commits after it must not touch the file."""
+    returns the paths that changed. Every overlay file needs a commit that adds it, and commits
+    after that one must not touch it; otherwise nothing is written."""
     repo = git.Repo(tree.root)
     prefix = tree.package_root.relative_to(tree.root)
     # Each patch commit's changed paths, and whether it adds them, read once.
     changes = [(commit, _changes(commit)) for commit in patch_commits(tree)]
-    changed = []
-    for path, data in overlay.items():
+    adding = {}
+    for path in overlay:
         repo_path = (prefix / path).as_posix()
         touching = [(commit, adds) for commit, adds in changes if repo_path in adds]
         if not touching or not touching[0][1][repo_path]:
-            continue
-        adding = touching[0][0]
+            raise ToolError(
+                f"{OVERLAY_DIR}/{path} is a file the series adds, but no commit of {tree.root} adds "
+                f"{repo_path}: copy it there and commit it into the patch that should carry it "
+                f"(git commit --fixup=<that commit>, then git rebase -i --autosquash {UPSTREAM_TAG}), "
+                f"or remove it from {OVERLAY_DIR}/."
+            )
         if len(touching) > 1:
             raise ToolError(
                 f"{repo_path} comes from {OVERLAY_DIR}/, but commits after the one that adds it "
                 f"change it too ({', '.join(commit.summary for commit, _ in touching[1:])}): edit "
                 f"{OVERLAY_DIR}/{path} instead and drop those changes."
             )
+        adding[path] = touching[0][0]
+    changed = []
+    for path, data in overlay.items():
+        repo_path = (prefix / path).as_posix()
         full = tree.root / repo_path
         if full.read_bytes() == data:
             continue
         full.write_bytes(data)
         repo.index.add([repo_path])
-        repo.index.commit(f"fixup! {adding.summary}", author=AUTHOR, committer=AUTHOR)
+        repo.index.commit(f"fixup! {adding[path].summary}", author=AUTHOR, committer=AUTHOR)
         changed.append(path)
     if changed:
         with repo.git.custom_environment(GIT_SEQUENCE_EDITOR="true", GIT_COMMITTER_NAME=AUTHOR.name,

@@ -26,7 +26,7 @@ from scripts.toolchain.errors import USAGE, ToolError
 from scripts.toolchain.lock import LOCK_PATH, Artifact, Lock, Release, add_release, load_lock, sha256_bytes
 from scripts.toolchain.overlay import OVERLAY_DIR, read_overlay
 from scripts.toolchain.refresh import with_last_update
-from scripts.toolchain.series import Patch, load_series
+from scripts.toolchain.series import Patch, load_series, numbered
 
 STATE_FILE = "sglang-port.json"  # inside the checkout's .git/: a port is in progress while it exists
 FROM_UPSTREAM_REF = "refs/port/from-upstream"  # FROM's upstream files
@@ -186,6 +186,9 @@ def _finish_or_stop(port: Port, lock_path: Path, picked: subprocess.CompletedPro
     if not commits:
         raise ToolError(f"no patch is in {port.root} (was the cherry-pick aborted?): give the port up with "
                         f"make port-abort TO={port.release.version} and start again.")
+    kept = {c.summary for c in commits}
+    dropped = [name for name in port.patches if name[: -len(".patch")] not in kept]
+    renumbered = _renumber(port.root, commits)
     upstream = repo.tags[checkout.UPSTREAM_TAG].commit
     touched = sorted({d.a_path for c in commits for d in c.parents[0].diff(c) if not d.new_file})
     files = {path: sha256_bytes((upstream.tree / path).data_stream.read()) for path in touched}
@@ -194,12 +197,29 @@ def _finish_or_stop(port: Port, lock_path: Path, picked: subprocess.CompletedPro
     port.state_path.unlink()
     for ref in (FROM_UPSTREAM_REF, FROM_SERIES_REF):
         _git(port.root, "update-ref", "-d", ref)
-    kept = {c.summary for c in commits}
-    dropped = [name for name in port.patches if name[: -len(".patch")] not in kept]
     return (f"ported {len(commits)} of {len(port.patches)} patches from sglang {port.from_version} to "
             f"{release.version}" + (f" (dropped: {', '.join(dropped)})" if dropped else "") +
+            (f" (renumbered: {', '.join(renumbered)})" if renumbered else "") +
             f"; sglang.lock now pins {release.version} ({release.artifact.filename}, {len(files)} upstream files).\n"
             f"Next: make refresh-patches SGLANG_VERSION={release.version} writes patches/v{release.version}/.")
+
+
+def _renumber(root: Path, commits: List[git.Commit]) -> List[str]:
+    """Number the commits' summaries 0001, 0002, ... again, as refresh-patches wants them (a dropped
+    patch leaves a gap): the same trees under new messages. Returns the summaries that changed."""
+    summaries = []
+    for position, commit in enumerate(commits, 1):
+        name = numbered(f"{commit.summary}.patch", position)
+        summaries.append(name[: -len(".patch")] if name else commit.summary)
+    if summaries == [commit.summary for commit in commits]:
+        return []
+    parent = commits[0].parents[0].hexsha
+    for commit, summary in zip(commits, summaries):
+        message = summary + commit.message[len(commit.summary):]
+        parent = _git(root, "commit-tree", commit.tree.hexsha, "-p", parent, "-F", "-",
+                      input=message.encode()).stdout.strip()
+    _git(root, "reset", "--quiet", "--soft", parent)
+    return [new for new, commit in zip(summaries, commits) if new != commit.summary]
 
 
 def _picking(root: Path) -> bool:

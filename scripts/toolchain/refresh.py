@@ -6,10 +6,10 @@ from typing import List, Optional
 
 import git
 
-from scripts.toolchain.checkout import patch_commits
+from scripts.toolchain.checkout import UPSTREAM_TAG, patch_commits
 from scripts.toolchain.errors import ToolError
 from scripts.toolchain.overlay import read_overlay, sync_checkout
-from scripts.toolchain.series import header_fields, missing_header_fields, split_header
+from scripts.toolchain.series import NAMING_RULE, header_fields, missing_header_fields, numbered, split_header
 from scripts.toolchain.tree import Tree
 
 
@@ -25,6 +25,18 @@ def with_last_update(header: str, day: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_names(tree: Tree, commits: List[git.Commit]) -> None:
+    """Refuse commits whose summaries (the patches' stems) break the one naming rule of every release."""
+    for position, commit in enumerate(commits, 1):
+        name = f"{commit.summary.strip()}.patch"
+        if numbered(name, position) != name:
+            raise ToolError(
+                f"commit {commit.hexsha[:10]} ({commit.summary.strip()}) in {tree.root} breaks the patch "
+                f"naming rule: {NAMING_RULE}; as patch {position} its summary is {position:04d}-<concern>. "
+                f"Reword it there (git rebase -i {UPSTREAM_TAG}) and refresh again; nothing was written."
+            )
+
+
 def refresh(tree: Tree, series_dir: Path, overlay_root: Optional[Path] = None) -> List[str]:
     """Write one patch per commit above upstream and the series file; returns the patch names.
 
@@ -32,11 +44,12 @@ def refresh(tree: Tree, series_dir: Path, overlay_root: Optional[Path] = None) -
     (the commit that adds each is amended). A patch keeps its DEP-3 header from its commit
     message; Last-Update moves to today only when the diff itself changed.
     """
-    if overlay_root is not None:
-        sync_checkout(tree, read_overlay(overlay_root))
     commits = patch_commits(tree)
     if not commits:
         raise ToolError(f"{tree.root} has no commits above upstream: nothing to refresh from.")
+    check_names(tree, commits)
+    if overlay_root is not None and sync_checkout(tree, read_overlay(overlay_root)):
+        commits = patch_commits(tree)
     today = datetime.date.today().isoformat()
     rendered = {}  # every patch is rendered before any is written: a refused refresh writes nothing
     for commit in commits:

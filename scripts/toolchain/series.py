@@ -3,7 +3,7 @@
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from unidiff import PatchSet, UnidiffParseError
 
@@ -14,6 +14,10 @@ HUNK_HEADER = re.compile(r"^@@", re.MULTILINE)  # in a diff, only hunk headers s
 REQUIRED_HEADER_FIELDS = ("Description", "Forwarded", "Last-Update")
 # DEP-3 asks for at least one of these: who wrote the patch, or where it comes from.
 PROVENANCE_FIELDS = ("Origin", "Author")
+# Every release's patches: NNNN-<concern>.patch, numbered 0001, 0002, ... in series order.
+PATCH_NAME = re.compile(r"(?P<number>\d{4})-(?P<concern>[a-z0-9]+(?:-[a-z0-9]+)*)\.patch")
+NAMING_RULE = ("a patch is named NNNN-<concern>.patch (lowercase words joined by hyphens), numbered "
+               "0001, 0002, ... in series order with no gaps")
 
 
 @dataclass
@@ -59,6 +63,17 @@ def missing_header_fields(header: str) -> List[str]:
     if not any(f in present for f in PROVENANCE_FIELDS):
         missing.append(" or ".join(PROVENANCE_FIELDS))
     return missing
+
+
+def misnamed(names: List[str]) -> List[str]:
+    """The names, in series order, that break NAMING_RULE at their position."""
+    return [name for position, name in enumerate(names, 1) if numbered(name, position) != name]
+
+
+def numbered(name: str, position: int) -> Optional[str]:
+    """The name a patch at `position` (1-based) carries under NAMING_RULE; None when no number fixes it."""
+    match = PATCH_NAME.fullmatch(name)
+    return f"{position:04d}-{match['concern']}.patch" if match else None
 
 
 def read_series_names(series_dir: Path) -> List[str]:

@@ -5,8 +5,11 @@ import subprocess
 from pathlib import Path
 from typing import Dict, Tuple
 
+from scripts.paths import REPO_ROOT
+from scripts.toolchain.lock import load_lock
 from scripts.toolchain.tree import Tree
 
+REAL_LOCK = load_lock(REPO_ROOT / "sglang.lock")  # this repository's own releases and patches/
 FIXTURES = Path(__file__).parent / "fixtures"
 UPSTREAM = FIXTURES / "upstream"  # a package root: sglang/srt/... as a release ships it
 VERSION = "0.1.0"

@@ -1,18 +1,18 @@
 """sglang_overlay/: one source for every file a series adds, carried into each series by refresh."""
 
+import re
+
 import git
 import pytest
 
 from scripts.paths import REPO_ROOT
 from scripts.toolchain import operations
+from scripts.toolchain.checkout import UPSTREAM_TAG, patch_commits
 from scripts.toolchain.errors import ToolError
-from scripts.toolchain.lock import load_lock
 from scripts.toolchain.overlay import OVERLAY_DIR, added_files, read_overlay, stale_in_series
 from scripts.toolchain.series import load_series
 
-from .helpers import DUMP_MODULE, FIXTURE_SERIES, PATCH_NAMES, replace_in, snapshot
-
-REAL_LOCK = load_lock(REPO_ROOT / "sglang.lock")
+from .helpers import DUMP_MODULE, FIXTURE_SERIES, PATCH_NAMES, REAL_LOCK, VERSION, replace_in, snapshot
 
 
 @pytest.mark.parametrize("version", sorted(REAL_LOCK.releases))
@@ -40,10 +40,10 @@ def patched(pinned, lock):
     return pinned
 
 
-def write_overlay(project, text: bytes):
-    path = project / OVERLAY_DIR / DUMP_MODULE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(text)
+def write_overlay(project, text: bytes, path: str = DUMP_MODULE):
+    full = project / OVERLAY_DIR / path
+    full.parent.mkdir(parents=True, exist_ok=True)
+    full.write_bytes(text)
 
 
 def test_refresh_carries_the_overlay_into_the_commit_that_adds_the_file(patched, project, lock, release):
@@ -73,3 +73,96 @@ def test_refresh_refuses_when_a_later_commit_changes_an_overlay_file(patched, pr
     with pytest.raises(ToolError, match=f"edit {OVERLAY_DIR}/{DUMP_MODULE} instead"):
         operations.refresh_patches(lock=lock)
     assert snapshot(release.series_dir) == before
+
+
+# A module of a package the series might add next to DUMP_MODULE: the overlay holds several files.
+NEW_MODULE = "sglang/srt/hidden_states_dump/format.py"
+
+
+def test_an_overlay_identical_to_the_checkout_is_not_stale(patched, project, cli):
+    write_overlay(project, (patched.package_root / DUMP_MODULE).read_bytes())
+    code, out, _ = cli("verify")
+    assert code == 0, out
+    assert "stale" not in out
+    assert "already applied; nothing to do" in cli("apply")[1]
+
+
+def test_a_stale_checkout_is_reported_by_verify_and_refused_by_apply_until_refreshed(patched, project, cli):
+    write_overlay(project, (patched.package_root / DUMP_MODULE).read_bytes() + b"# edited in the overlay\n")
+    head = git.Repo(patched.root).head.commit
+    before = snapshot(patched.root)
+
+    code, out, _ = cli("verify")
+    assert code == 1
+    assert re.findall(r"^stale: .*$", out, re.MULTILINE) == [f"stale: {DUMP_MODULE}"]
+    assert "state: applied: every patch of the series is in, but the tree is stale" in out
+
+    code, out, err = cli("apply")
+    assert (code, out) == (1, "")
+    assert err.startswith(f"error: {patched.package_root} is stale: it does not hold {DUMP_MODULE} as {OVERLAY_DIR}/")
+    assert f"Run `make refresh-patches SGLANG_VERSION={VERSION}`" in err
+    assert snapshot(patched.root) == before
+    assert git.Repo(patched.root).head.commit == head
+
+    assert cli("refresh-patches")[0] == 0
+    assert cli("verify")[0] == 0
+
+
+def test_refresh_carries_several_overlay_files_into_the_one_commit_that_adds_them(patched, project, lock, release, cli):
+    repo = git.Repo(patched.root)
+    (patched.root / NEW_MODULE).parent.mkdir(parents=True)
+    (patched.root / NEW_MODULE).write_bytes(b"FORMAT = 1\n")
+    repo.index.add([NEW_MODULE])
+    repo.git.commit("--quiet", f"--fixup={patch_commits(patched)[0].hexsha}")
+    with repo.git.custom_environment(GIT_SEQUENCE_EDITOR="true"):
+        repo.git.rebase("--quiet", "--interactive", "--autosquash", UPSTREAM_TAG)
+    dump_module = (patched.root / DUMP_MODULE).read_bytes() + b"# edited in the overlay\n"
+    write_overlay(project, dump_module)
+    write_overlay(project, b"FORMAT = 2\n", NEW_MODULE)
+    assert cli("verify")[0] == 1
+
+    assert operations.refresh_patches(lock=lock) == PATCH_NAMES
+    patches = load_series(release.series_dir)
+    assert added_files(patches) == {DUMP_MODULE: dump_module, NEW_MODULE: b"FORMAT = 2\n"}
+    assert NEW_MODULE in patches[0].paths
+    assert len(patch_commits(patched)) == len(PATCH_NAMES)
+    code, out, _ = cli("verify")
+    assert code == 0 and "stale" not in out
+
+
+def test_an_overlay_file_the_checkout_lacks_is_stale_and_refresh_asks_for_its_commit(patched, project, release, cli):
+    write_overlay(project, (patched.package_root / DUMP_MODULE).read_bytes())
+    write_overlay(project, b"FORMAT = 1\n", NEW_MODULE)
+    series_before, checkout_before = snapshot(release.series_dir), snapshot(patched.root)
+
+    code, out, _ = cli("verify")
+    assert code == 1
+    assert re.findall(r"^stale: .*$", out, re.MULTILINE) == [f"stale: {NEW_MODULE}"]
+    assert cli("apply")[0] == 1
+
+    code, _, err = cli("refresh-patches")
+    assert code == 1
+    assert f"{OVERLAY_DIR}/{NEW_MODULE} is a file the series adds, but no commit of {patched.root} adds" in err
+    assert (snapshot(release.series_dir), snapshot(patched.root)) == (series_before, checkout_before)
+
+
+def test_a_stale_tree_named_with_dir_is_refused_too(tree, project, lock, cli):
+    operations.apply(sglang_dir=tree.root, lock=lock)
+    write_overlay(project, b"# the overlay's version\n")
+    applied = snapshot(tree.root)
+
+    code, out, _ = cli("verify", "--dir", tree.root)
+    assert code == 1 and f"stale: {DUMP_MODULE}" in out
+    code, _, err = cli("apply", "--dir", tree.root)
+    assert code == 1
+    assert f"make revert SGLANG_VERSION={VERSION} SGLANG_DIR={tree.root}" in err
+    assert f"make refresh-patches SGLANG_VERSION={VERSION}" in err
+    assert snapshot(tree.root) == applied
+
+
+def test_applying_a_series_older_than_the_overlay_stops_before_sglang_runs(package_tree, project, lock):
+    write_overlay(project, b"# newer than patches/\n")
+    with pytest.raises(ToolError, match=rf"The series is applied, but patches/v{VERSION}/ is older than {OVERLAY_DIR}/"):
+        operations.apply(sglang_dir=package_tree.root, lock=lock)
+    inspection = operations.verify(sglang_dir=package_tree.root, lock=lock)
+    assert (inspection.state.kind, inspection.stale) == ("applied", [DUMP_MODULE])

@@ -175,10 +175,17 @@ def test_a_patch_upstream_made_unnecessary_is_dropped_with_skip(pinned, project,
     code, out, err = cli("port-skip", "--to", NEW)
     assert (code, err) == (0, ""), err
     assert f"ported 2 of 3 patches" in out and f"(dropped: {PATCH_NAMES[1]})" in out
+    renumbered = "0002-dump-from-logits-processor"  # PATCH_NAMES[2], closing the gap 0002 left
+    assert f"(renumbered: {renumbered})" in out
     checkout = project / ".sglang" / NEW
-    assert [c.summary for c in commits_above_upstream(checkout)] == [PATCH_NAMES[0][:-6], PATCH_NAMES[2][:-6]]
+    commits = commits_above_upstream(checkout)
+    assert [c.summary for c in commits] == [PATCH_NAMES[0][:-6], renumbered]
+    assert header_fields(commits[1].message)["Description"] == "Hand the aux hidden states to the dump from the logits processor"
     files = load_lock(project / "sglang.lock").release(NEW).files
     assert files == {path: sha256_of(new_upstream / path) for path in (ENVIRON, LOGITS_PROCESSOR, MODEL)}
+
+    assert cli("refresh-patches", "--version", NEW)[0] == 0
+    assert (project / "patches" / f"v{NEW}" / "series").read_text() == f"{PATCH_NAMES[0]}\n{renumbered}.patch\n"
 
 
 def test_an_interrupted_port_leaves_the_lock_and_patches_unchanged(pinned, project, index, tmp_path, cli, guarded,

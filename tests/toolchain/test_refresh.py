@@ -7,10 +7,11 @@ import pytest
 
 from scripts.toolchain import operations
 from scripts.toolchain.errors import ToolError
+from scripts.toolchain.overlay import OVERLAY_DIR
 from scripts.toolchain.refresh import refresh
 from scripts.toolchain.series import header_fields, split_header
 
-from .helpers import FIXTURE_SERIES, LOGITS_PROCESSOR, PATCH_NAMES, UPSTREAM, replace_in, snapshot
+from .helpers import DUMP_MODULE, FIXTURE_SERIES, LOGITS_PROCESSOR, PATCH_NAMES, UPSTREAM, replace_in, snapshot
 
 
 @pytest.fixture
@@ -88,3 +89,18 @@ def test_an_unchanged_diff_keeps_the_patchs_last_update_over_an_older_commit_mes
     refresh(patched, release.series_dir)
     for name in PATCH_NAMES:
         assert (release.series_dir / name).read_bytes() == (FIXTURE_SERIES / name).read_bytes()
+
+
+def test_a_commit_breaking_the_naming_rule_is_refused_before_anything_is_written(patched, project, lock, release):
+    repo = git.Repo(patched.root)
+    repo.git.commit("--quiet", "--amend", "-m", repo.head.commit.message.replace("0003-", "0004-", 1))
+    overlay_file = project / OVERLAY_DIR / DUMP_MODULE  # an overlay edit a refresh that went ahead would commit
+    overlay_file.parent.mkdir(parents=True)
+    overlay_file.write_bytes((patched.root / DUMP_MODULE).read_bytes() + b"# edited in the overlay\n")
+    head, series_before, checkout_before = repo.head.commit, snapshot(release.series_dir), snapshot(patched.root)
+
+    with pytest.raises(ToolError, match=rf"commit {head.hexsha[:10]} \(0004-dump-from-logits-processor\) in "
+                                        rf".* breaks the patch naming rule: .* as patch 3 its summary is 0003-<concern>"):
+        operations.refresh_patches(lock=lock)
+    assert repo.head.commit == head
+    assert (snapshot(release.series_dir), snapshot(patched.root)) == (series_before, checkout_before)

@@ -4,9 +4,9 @@ import pytest
 
 from scripts.toolchain import operations
 from scripts.toolchain.errors import ToolError
-from scripts.toolchain.series import header_fields, load_series
+from scripts.toolchain.series import NAMING_RULE, header_fields, load_series, misnamed, numbered, read_series_names
 
-from .helpers import FIXTURE_SERIES, PATCH_NAMES, snapshot
+from .helpers import FIXTURE_SERIES, PATCH_NAMES, REAL_LOCK, snapshot
 
 MODEL_PATCH = PATCH_NAMES[1]  # two hunks: "@@ -7,6 +7,7 @@" and "@@ -62,7 +63,7 @@"
 
@@ -71,3 +71,21 @@ def test_a_release_without_a_series_is_a_usage_error(package_tree, release, cli)
     code, _, err = cli("verify", "--dir", package_tree.root)
     assert code == 2
     assert f"{release.series_dir / 'series'} is missing" in err
+
+
+def test_the_naming_rule_numbers_patches_from_0001_in_series_order_without_gaps():
+    assert misnamed(PATCH_NAMES) == []
+    assert misnamed(["0001-a.patch", "0003-c.patch", "0004-d.patch"]) == ["0003-c.patch", "0004-d.patch"]
+    assert misnamed(["0002-a.patch", "0001-b.patch"]) == ["0002-a.patch", "0001-b.patch"]
+    assert misnamed(["1-a.patch", "0002-Capture_Aux.patch", "0003-c.diff", "0004-.patch"]) == [
+        "1-a.patch", "0002-Capture_Aux.patch", "0003-c.diff", "0004-.patch"]
+    assert numbered("0003-dump-from-logits-processor.patch", 2) == "0002-dump-from-logits-processor.patch"
+    assert numbered("fix.patch", 1) is None
+
+
+@pytest.mark.parametrize("version", sorted(REAL_LOCK.releases))
+def test_every_release_names_its_patches_by_the_one_rule(version):
+    names = read_series_names(REAL_LOCK.releases[version].series_dir)
+    assert misnamed(names) == [], (
+        f"patches/v{version}/series: {NAMING_RULE}. Reword the commits in .sglang/{version}/ "
+        f"(git rebase -i upstream), then run make refresh-patches SGLANG_VERSION={version}.")
