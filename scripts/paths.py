@@ -4,3 +4,4 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO_ROOT / ".cache"
+OVERLAY_DIR = REPO_ROOT / "sglang_overlay"

@@ -125,7 +125,7 @@ def stop_all(servers) -> None:
 def dump_profile(server: Server, seconds: float) -> Optional[dict]:
     """Where a dumping server's dump time went (its timings line at exit), as shares of
     the `seconds` it was measured for; writer shares are per writer thread."""
-    from sglang.srt.managers.hidden_states_dump import DumpCounters, DumpTimings
+    from scripts.dump_format import DumpCounters, DumpTimings
 
     log = server.log()
     timings, counters = DumpTimings.parse(log), DumpCounters.parse(log)
@@ -336,7 +336,7 @@ def suite_fp8(run: BenchRun) -> dict:
     A second bf16 dump of the same prompts gives the floor: two forwards of one prompt need
     not agree to the bit (other batches, other kernels)."""
     import torch
-    from sglang.srt.managers.hidden_states_dump import dequantize_rows, load_dump, read_manifest
+    from scripts.dump_format import dequantize_rows, load_dump, read_manifest
 
     preset = run.preset
     num_layers = json.loads((run.model / "config.json").read_text())["num_hidden_layers"]

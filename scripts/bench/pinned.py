@@ -30,7 +30,7 @@ STATES = 4  # three captured layers and the final state
 
 
 def allocation_seconds(hidden_size: int, forwards: int, in_flight: int, pooled: bool, seed: int = 0) -> list:
-    from sglang.srt.managers.hidden_states_dump import HostBuffers
+    from sglang.srt.hidden_states_dump.host_buffers import HostBuffers
 
     rng = random.Random(seed)
     pool = HostBuffers(pin_memory=True)

@@ -16,7 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-DUMP_MODULE = "hidden_states_dump.py"
+DUMP_PACKAGE = "hidden_states_dump/"  # frames name their file, e.g. .../hidden_states_dump/writer.py
+DUMP_WRITER = DUMP_PACKAGE + "writer.py"
 LINE_NUMBER = re.compile(r":\d+\)$")
 
 
@@ -40,7 +41,7 @@ def function_name(frame: str) -> str:
 
 
 def kind_of(frames: List[str]) -> str:
-    if any(function_name(frame) == "_run" and DUMP_MODULE in frame for frame in frames):
+    if any(function_name(frame) == "_run" and DUMP_WRITER in frame for frame in frames):
         return "dump writer threads"
     if any(function_name(frame).startswith("event_loop") for frame in frames):
         return "scheduler event loop"
@@ -53,7 +54,7 @@ def summarize(stacks: List[Tuple[List[str], int]], rate: float, top: int = 12) -
         kind = by_kind.setdefault(kind_of(frames), {"samples": 0, "self": Counter(), "in_dump": 0})
         kind["samples"] += count
         kind["self"][frames[-1]] += count
-        if any(DUMP_MODULE in frame for frame in frames):
+        if any(DUMP_PACKAGE in frame for frame in frames):
             kind["in_dump"] += count
     summary = {}
     for name, kind in sorted(by_kind.items(), key=lambda item: -item[1]["samples"]):

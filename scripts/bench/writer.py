@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from scripts.bench.measure import dd_rate, filesystem, summary, wait_for_lines
+from scripts.dump_format import MANIFEST_NAME
 
 LAYER_IDS = [3, 31, 59]  # EAGLE-3's default for a 61-layer model
 NUM_MODEL_LAYERS = 61
@@ -31,20 +32,24 @@ THREAD_COUNTS = (1, 2, 4, 8, 16)
 def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int) -> float:
     """Bytes/s landed by the dump's writer fed `files` requests the way the dumper feeds it
     once a request's prompt is complete."""
-    from sglang.srt.managers import hidden_states_dump as dump
+    from sglang.srt.hidden_states_dump.format import file_metadata
+    from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostRows
+    from sglang.srt.hidden_states_dump.requests import DumpRequest
+    from sglang.srt.hidden_states_dump.writer import DumpWriter
 
     directory.mkdir()
-    rows = dump.HostRows(
+    rows = HostRows(
         token_ids=torch.arange(tokens, dtype=torch.int64),
         hidden_states=torch.randn(tokens, len(LAYER_IDS), hidden_size).to(torch.bfloat16),
         last_hidden_state=torch.randn(tokens, hidden_size).to(torch.bfloat16),
         ready=None,
     )
-    metadata = dump.file_metadata(LAYER_IDS, NUM_MODEL_LAYERS, model_path="bench")
-    writer = dump.DumpWriter(str(directory), LAYER_IDS, metadata, queue_size=files, threads=threads)
+    metadata = file_metadata(LAYER_IDS, NUM_MODEL_LAYERS, "bench", sglang_version="bench", series_version="bench")
+    writer = DumpWriter(str(directory), metadata, queue_size=files, on_full_queue="block", threads=threads,
+                        manifest_name=MANIFEST_NAME)
     started = time.perf_counter()
     for i in range(files):
-        writer.submit(dump.DumpRequest(f"bench-{i}", tokens), [dump.Chunk(rows, 0, tokens)])
+        writer.submit(DumpRequest(f"bench-{i}", tokens), [Chunk(rows, 0, tokens)])
     wait_for_lines(directory, files, started, timeout=600)
     seconds = time.perf_counter() - started
     written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from sglang.srt.managers.hidden_states_dump import load_dump
+from scripts.dump_format import load_dump
 from scripts.dumps.samples import export_command, layer_columns, training_samples
 
 ROWS_PER_FOLDER = 2000

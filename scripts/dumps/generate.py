@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from sglang.srt.managers.hidden_states_dump import read_manifest
+from scripts.dump_format import read_manifest
 from scripts.dumps.chat import LOSS_MASKS, ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import Rejected, Sample, open_dataset, read_samples
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, AppendOnlyLines, read_lines, samples_line

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
-from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
+from scripts.dump_format import load_dump, read_manifest
 
 
 @dataclass

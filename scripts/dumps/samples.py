@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
-from sglang.srt.managers.hidden_states_dump import read_manifest
+from scripts.dump_format import read_manifest
 from scripts.toolchain.errors import USAGE, ToolError
 
 SAMPLES_NAME = "samples.jsonl"

@@ -183,14 +183,14 @@ class Server:
 
 def manifest_lines(dump_dir: Path) -> int:
     """How many lines the dump's manifests hold together, without parsing them (cheap to poll)."""
-    from sglang.srt.managers.hidden_states_dump import manifest_paths
+    from scripts.dump_format import manifest_paths
 
     return sum(Path(path).read_bytes().count(b"\n") for path in manifest_paths(str(dump_dir)))
 
 
 def wait_for_manifest(dump_dir: Path, count: int, timeout: float = 60) -> List[dict]:
     """The manifest once it has `count` lines (the writer runs behind the forward)."""
-    from sglang.srt.managers.hidden_states_dump import read_manifest
+    from scripts.dump_format import read_manifest
 
     deadline = time.monotonic() + timeout
     while True:

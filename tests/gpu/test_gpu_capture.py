@@ -80,7 +80,7 @@ def test_dump_equals_transformers(model, reference, tmp_path, cuda_graphs):
         response = server.generate(prompt, max_new_tokens=4)
         manifest = wait_for_manifest(dump_dir, 1)
         text = server.log()
-    from sglang.srt.managers.hidden_states_dump import load_dump
+    from scripts.dump_format import load_dump
 
     assert len(manifest) == 1
     record = load_dump(str(dump_dir / manifest[0]["file"]))

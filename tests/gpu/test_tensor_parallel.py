@@ -131,7 +131,7 @@ def transformers_reference(model: Path, prompts: Sequence[List[int]], name: str)
 def dump_errors(model: Path, prompts: Sequence[List[int]], float32, launch_dir: Path, name: str,
                 extra_args: Sequence[str], layers: Optional[str] = None):
     """One launch: every prompt once, one file each; (layer ids in the files, errors against float32)."""
-    from sglang.srt.managers.hidden_states_dump import load_dump
+    from scripts.dump_format import load_dump
 
     dump_dir = launch_dir / "dump"
     env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), **({"SGLANG_HS_DUMP_LAYERS": layers} if layers else {}))
@@ -202,7 +202,7 @@ def test_tp1_against_transformers(reference, tp1):
 
 @pytest.mark.parametrize("name", list(TP2_CONFIGURATIONS))
 def test_tp2_against_transformers(model, prompts, reference, tp1, tmp_path_factory, name):
-    from sglang.srt.managers.hidden_states_dump import manifest_name, manifest_paths
+    from scripts.dump_format import manifest_name, manifest_paths
 
     float32, bf16_errors = reference
     launch_dir = tmp_path_factory.mktemp(name)

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from sglang.srt.managers.hidden_states_dump import DumpCounters, DumpRecord
+from scripts.dump_format import DumpCounters, DumpRecord
 from scripts.dumps.server import Server, has_gpu, runtime_env, wait_for_manifest
 from tests.server import oracle_hooks
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 
 def stall_writer(config):
-    from sglang.srt.managers import hidden_states_dump
+    from sglang.srt.hidden_states_dump.writer import DumpWriter
 
     gate = Path(config["gate"])
-    write_file = hidden_states_dump.DumpWriter.write_file
+    write_file = DumpWriter.write_file
 
     def stalled_write_file(self, job):
         gate.with_name(gate.name + ".holding").touch()
@@ -22,7 +22,7 @@ def stall_writer(config):
             time.sleep(0.01)
         return write_file(self, job)
 
-    hidden_states_dump.DumpWriter.write_file = stalled_write_file
+    DumpWriter.write_file = stalled_write_file
     return lambda module, inputs, output: None
 
 

@@ -4,7 +4,7 @@ mixed with decode steps (--enable-mixed-chunk); every file equals the oracle row
 import random
 import time
 
-from sglang.srt.managers.hidden_states_dump import load_dump
+from scripts.dump_format import load_dump
 from tests.server import oracle_hooks
 from tests.server.dump_checks import (
     OUTPUT_TOKEN, assert_matches_oracle, generate_body, OracleServer, post_all, random_prompts)

@@ -13,7 +13,7 @@ import urllib.error
 
 import pytest
 
-from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
+from scripts.dump_format import load_dump, read_manifest
 from tests.server import oracle_hooks
 from tests.server.dump_checks import (
     assert_matches_oracle, dump_stats, generate_body, OracleServer, post_all, random_prompts, wait_until)

@@ -5,7 +5,7 @@ stopping the server at startup is in test_warmup.)"""
 
 import torch
 
-from sglang.srt.managers.hidden_states_dump import FP8_ENCODING, load_dump
+from scripts.dump_format import FP8_ENCODING, load_dump
 from scripts.dumps.inspect_dump import summarise
 from tests.server.dump_checks import relative_error, run_one_prefill
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
+from scripts.dump_format import load_dump, read_manifest
 from tests.server.dump_checks import generate_body, random_prompts
 from scripts.dumps import export_specforge
 from scripts.dumps.samples import SAMPLES_NAME, samples_line

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang.srt.managers.hidden_states_dump import MANIFEST_NAME, TEMP_PREFIX, read_manifest
+from scripts.dump_format import MANIFEST_NAME, TEMP_PREFIX, read_manifest
 from tests.server.dump_checks import RELEASE, dump_stats, generate_body, random_prompts, wait_until
 from scripts.dumps.inspect_dump import summarise
 from scripts.dumps.server import Server, runtime_env, wait_for_manifest

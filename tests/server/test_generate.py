@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
+from scripts.dump_format import load_dump, read_manifest
 from scripts.dumps import export_specforge, export_speculators
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, mask_from_runs, mask_runs, read_lines
 from scripts.dumps.server import Server, runtime_env

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from sglang.srt.managers.hidden_states_dump import load_dump, read_manifest
+from scripts.dump_format import load_dump, read_manifest
 from tests.server import oracle_hooks
 from tests.server.dump_checks import (
     FIRST_PROMPT_TOKEN, VOCAB_SIZE, assert_matches_oracle, generate_body, OracleServer, post_all)

@@ -4,7 +4,7 @@ far). That second prefill is not dumped: one file per request, equal to the orac
 
 import random
 
-from sglang.srt.managers.hidden_states_dump import load_dump
+from scripts.dump_format import load_dump
 from tests.server import oracle_hooks
 from tests.server.dump_checks import assert_matches_oracle, generate_body, OracleServer, post_all, random_prompts
 from scripts.dumps.server import wait_for_manifest

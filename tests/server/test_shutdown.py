@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from sglang.srt.managers.hidden_states_dump import read_manifest
+from scripts.dump_format import read_manifest
 from scripts.dumps.server import Server, runtime_env
 from tests.server.dump_checks import generate_body, random_prompts, wait_until
 from tests.server.fault_hooks import stall_writer_spec

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sglang.srt.managers.hidden_states_dump import load_dump
+from scripts.dump_format import load_dump
 from tests.server.dump_checks import relative_error, run_one_prefill
 from scripts.paths import REPO_ROOT
 from scripts.dumps.server import Server, ServerFailed, runtime_env

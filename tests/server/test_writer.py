@@ -5,7 +5,7 @@ what it drops; `block` (the default) makes serving wait for the disk and loses n
 import threading
 import time
 
-from sglang.srt.managers.hidden_states_dump import read_manifest
+from scripts.dump_format import read_manifest
 from tests.server.dump_checks import dump_stats, generate_body, random_prompts, wait_until
 from tests.server.fault_hooks import stall_writer_spec
 from scripts.dumps.server import Server, runtime_env, wait_for_manifest

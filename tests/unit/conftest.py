@@ -23,3 +23,14 @@ def dump_dir(tmp_path):
     path = tmp_path / "dump"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def dumping_on(dump_dir, monkeypatch):
+    """SGLANG_HS_DUMP_DIR set, as the server's processes see it (dump_enabled reads it once)."""
+    from sglang.srt.hidden_states_dump.config import dump_enabled
+
+    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(dump_dir))
+    dump_enabled.cache_clear()
+    yield dump_dir
+    dump_enabled.cache_clear()

@@ -12,18 +12,15 @@ import re
 import time
 from dataclasses import asdict
 from types import SimpleNamespace
+from unittest import mock
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.managers import hidden_states_dump
-from sglang.srt.managers.hidden_states_dump import (
-    DumpRequest,
-    HiddenStatesDumper,
-    file_metadata,
-    load_dump,
-    read_manifest,
-)
+from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
+from sglang.srt.hidden_states_dump.config import DumpConfig
+from sglang.srt.hidden_states_dump.format import MANIFEST_NAME, file_metadata, load_dump, read_manifest
+from sglang.srt.hidden_states_dump.requests import DumpRequest
 
 HIDDEN_SIZE = 3
 NUM_LAYERS = 4
@@ -42,10 +39,21 @@ def final_rows(token_ids: Sequence[int]) -> torch.Tensor:
     return -layer_rows(token_ids, 0)
 
 
+def dump_config(dump_dir, dtype=None) -> DumpConfig:
+    """The settings as the server reads them from its environment (the test's), dumping
+    into `dump_dir` with SGLANG_HS_DUMP_DTYPE=`dtype`."""
+    with mock.patch.dict(os.environ, {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_DTYPE": dtype or ""}):
+        return DumpConfig.from_env()
+
+
+def stand_in_metadata(layer_ids: List[int], dtype=None) -> dict:
+    return file_metadata(layer_ids, NUM_LAYERS, "/models/stand-in", sglang_version="stand-in",
+                         series_version="stand-in", fp8=dtype == "fp8", model_dtype=torch.float32)
+
+
 def start_dumper(dump_dir, layer_ids: List[int], dp_rank: int = 0, dtype=None) -> HiddenStatesDumper:
-    metadata = file_metadata(layer_ids, NUM_LAYERS, "/models/stand-in", dtype, torch.float32)
-    return HiddenStatesDumper(str(dump_dir), layer_ids, is_writer=True, metadata=metadata, dp_rank=dp_rank,
-                              dtype=dtype)
+    return HiddenStatesDumper(dump_config(dump_dir, dtype), stand_in_metadata(layer_ids, dtype),
+                              is_writer=True, dp_rank=dp_rank)
 
 
 # One request of a forward: what it dumps (None: not dumped), the token ids of its rows
@@ -133,7 +141,7 @@ def assert_dumped(dump_dir, line, token_ids, layer_ids) -> None:
     assert line["dtype"] == "float32"
 
 
-def assert_dir_holds_exactly(dump_dir, lines, manifests=(hidden_states_dump.MANIFEST_NAME,)) -> None:
+def assert_dir_holds_exactly(dump_dir, lines, manifests=(MANIFEST_NAME,)) -> None:
     """The dump directory holds the manifests and the files they name, nothing else (no
     temporary files)."""
     expected = [*manifests] + [line["file"] for line in lines]
@@ -165,6 +173,6 @@ def submit_many(dumper, count) -> List[str]:
 def manifest_lines_strictly(dump_dir) -> List[dict]:
     """Every line of the manifest, each required to be whole JSON ending in a newline
     (stricter than read_manifest, which tolerates a torn last line)."""
-    data = (dump_dir / hidden_states_dump.MANIFEST_NAME).read_bytes()
+    data = (dump_dir / MANIFEST_NAME).read_bytes()
     assert data.endswith(b"\n")
     return [json.loads(line) for line in data.splitlines()]

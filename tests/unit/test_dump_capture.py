@@ -7,9 +7,13 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang.srt.managers.hidden_states_dump import DumpRequest, HiddenStatesDumper, load_dump
+from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
+from sglang.srt.hidden_states_dump.format import load_dump
+from sglang.srt.hidden_states_dump.requests import DumpRequest
 from tests.unit.dump_standins import (
     NUM_LAYERS,
+    dump_config,
+    stand_in_metadata,
     assert_dir_holds_exactly,
     assert_dumped,
     final_rows,
@@ -210,8 +214,7 @@ def test_rows_beyond_the_prompt_are_not_dumped(dump_dir):
 
 
 def test_a_rank_that_does_not_write_dumps_nothing(dump_dir):
-    metadata = {"layer_ids": "[1]", "num_layers": str(NUM_LAYERS)}
-    dumper = HiddenStatesDumper(str(dump_dir), [1], is_writer=False, metadata=metadata)
+    dumper = HiddenStatesDumper(dump_config(dump_dir), stand_in_metadata([1]), is_writer=False)
 
     run_forward(dumper, [(DumpRequest("r", 2), prompt(100, 2), 0)])
 
@@ -224,16 +227,19 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "barrier", 
                "tensor_model_parallel_all_reduce", "tensor_model_parallel_all_gather"}
 
 
-def test_the_dump_module_calls_no_collective():
+def test_the_dump_package_calls_no_collective():
     """Only the writing rank runs most of the dump, so a collective in it would hang the
-    other ranks: the module must not call one (the capture's gather runs in the model, on
-    every rank)."""
+    other ranks: no module of the package may call one (the capture's gather runs in the
+    model, on every rank)."""
     import ast
-    import inspect
+    from pathlib import Path
 
-    from sglang.srt.managers import hidden_states_dump
+    import sglang.srt.hidden_states_dump as package
 
-    tree = ast.parse(inspect.getsource(hidden_states_dump))
+    sources = sorted(Path(package.__file__).parent.glob("*.py"))
+    assert len(sources) > 5
+    tree = ast.Module(body=[node for path in sources for node in ast.parse(path.read_text()).body],
+                      type_ignores=[])
     called = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
               for node in ast.walk(tree) if isinstance(node, ast.Call)}
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))

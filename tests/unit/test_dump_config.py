@@ -6,16 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.managers.hidden_states_dump import (
-    DumpRequest,
-    check_dump_dir,
-    check_server_args,
-    default_layer_ids,
-    parse_layer_ids,
-    requests_to_dump,
-    wants_dump,
-)
-from sglang.srt.managers import hidden_states_dump
+from sglang.srt.hidden_states_dump.config import check_dump_dir, default_layer_ids, parse_layer_ids
+from sglang.srt.hidden_states_dump.requests import DumpRequest, holds_dumped_request, requests_to_dump, wants_dump
+from sglang.srt.hidden_states_dump.startup_checks import check_server_args
 from sglang.srt.sampling.sampling_params import SamplingParams
 from tests.unit.conftest import RELEASE
 from tests.unit.dump_standins import start_dumper
@@ -133,7 +126,7 @@ def test_a_finished_request_is_not_dumped():
     assert not wants_dump(req)
 
 
-def test_requests_to_dump_follows_the_batch_order():
+def test_requests_to_dump_follows_the_batch_order(dumping_on):
     reqs = [
         make_req("a", prompt=(1, 2, 3, 4)),
         make_req("WARMUP_1"),
@@ -149,6 +142,14 @@ def test_requests_to_dump_follows_the_batch_order():
         None,
         None,
     ]
+
+
+def test_with_dumping_off_no_batch_carries_requests_to_dump():
+    from sglang.srt.hidden_states_dump.config import dump_enabled
+
+    dump_enabled.cache_clear()
+    assert requests_to_dump([make_req("a")]) is None
+    assert not holds_dumped_request(requests_to_dump([make_req("a")]))
 
 
 # --- check_dump_dir / check_server_args --------------------------------------------
@@ -233,6 +234,6 @@ def test_writer_threads_unset_come_from_the_hosts_cores(dump_dir, monkeypatch, c
     # Every release declares the variable with 0 (from the host's cores) as its default.
     monkeypatch.delenv("SGLANG_HS_DUMP_WRITER_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
-    with caplog.at_level("INFO", logger=hidden_states_dump.__name__):
+    with caplog.at_level("INFO", logger="sglang.srt.hidden_states_dump"):
         start_dumper(dump_dir, [1])
     assert f"writer_threads={threads}" in caplog.text

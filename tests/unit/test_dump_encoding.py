@@ -7,21 +7,14 @@ import os
 import pytest
 import torch
 
-from sglang.srt.managers.hidden_states_dump import (
-    FP8_ENCODING,
-    FP8_MAX,
-    Chunk,
-    DumpRequest,
-    DumpWriter,
-    HostRows,
-    dequantize_rows,
-    file_metadata,
-    load_dump,
-    parse_dtype,
-    quantize_rows,
-)
+from sglang.srt.hidden_states_dump.config import parse_dtype
+from sglang.srt.hidden_states_dump.format import FP8_ENCODING, FP8_MAX, MANIFEST_NAME, dequantize_rows, file_metadata, load_dump, quantize_rows
+from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostRows
+from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.hidden_states_dump.writer import DumpWriter
 from tests.unit.dump_standins import (
     final_rows,
+    stand_in_metadata,
     layer_rows,
     prompt,
     run_forward,
@@ -98,7 +91,8 @@ def test_a_bf16_dump_converts_the_model_dtype(dump_dir):
 
 
 def write_one(directory, rows: HostRows, metadata) -> int:
-    writer = DumpWriter(str(directory), LAYER_IDS, metadata, threads=1)
+    writer = DumpWriter(str(directory), metadata, queue_size=1, on_full_queue="block", threads=1,
+                        manifest_name=MANIFEST_NAME)
     writer.submit(DumpRequest("r", rows.token_ids.shape[0]), [Chunk(rows, 0, rows.token_ids.shape[0])])
     [line] = wait_for_manifest(directory, ["r"])
     return os.path.getsize(os.path.join(directory, line["file"]))
@@ -115,7 +109,7 @@ def test_an_fp8_file_is_about_half_a_bf16_one(tmp_path):
     fp8 = HostRows(token_ids, q_states, q_final, hidden_states_scale=s_states, last_hidden_state_scale=s_final)
     (tmp_path / "bf16").mkdir(), (tmp_path / "fp8").mkdir()
 
-    bf16_bytes = write_one(tmp_path / "bf16", bf16, file_metadata(LAYER_IDS, 4, "m"))
-    fp8_bytes = write_one(tmp_path / "fp8", fp8, file_metadata(LAYER_IDS, 4, "m", "fp8", torch.bfloat16))
+    bf16_bytes = write_one(tmp_path / "bf16", bf16, stand_in_metadata(LAYER_IDS))
+    fp8_bytes = write_one(tmp_path / "fp8", fp8, file_metadata(LAYER_IDS, 4, "m", "v", "v-1", fp8=True, model_dtype=torch.bfloat16))
 
     assert fp8_bytes / bf16_bytes <= 0.53, (fp8_bytes, bf16_bytes)

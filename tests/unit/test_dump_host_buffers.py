@@ -4,7 +4,8 @@ rows, and what they dump is still exactly their own rows."""
 
 import torch
 
-from sglang.srt.managers.hidden_states_dump import DumpRequest, HostBuffers
+from sglang.srt.hidden_states_dump.host_buffers import HostBuffers
+from sglang.srt.hidden_states_dump.requests import DumpRequest
 from tests.unit.dump_standins import (assert_dumped, prompt, run_forward, start_dumper, wait_for_manifest,
                                       wait_for_writer)
 

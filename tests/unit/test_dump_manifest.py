@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from sglang.srt.managers import hidden_states_dump
-from sglang.srt.managers.hidden_states_dump import DumpRequest, read_manifest
+from sglang.srt.hidden_states_dump.format import MANIFEST_NAME, read_manifest
+from sglang.srt.hidden_states_dump.requests import DumpRequest
 from tests.unit.dump_standins import (
     assert_dir_holds_exactly,
     assert_dumped,
@@ -45,7 +45,7 @@ def test_read_manifest_skips_a_torn_last_line_only(dump_dir):
     dumper = start_dumper(dump_dir, [1])
     run_forward(dumper, [(DumpRequest("whole", 2), prompt(100, 2), 0)])
     wait_for_manifest(dump_dir, ["whole"])
-    manifest = dump_dir / hidden_states_dump.MANIFEST_NAME
+    manifest = dump_dir / MANIFEST_NAME
     whole = manifest.read_bytes()
 
     manifest.write_bytes(whole + b'{"rid": "torn", "fi')
@@ -61,7 +61,7 @@ def test_a_torn_manifest_line_is_cut_when_the_dumper_starts(dump_dir):
     dumper = start_dumper(dump_dir, [1])
     run_forward(dumper, [(DumpRequest("before", 2), prompt(100, 2), 0)])
     wait_for_manifest(dump_dir, ["before"])
-    with open(dump_dir / hidden_states_dump.MANIFEST_NAME, "ab") as f:
+    with open(dump_dir / MANIFEST_NAME, "ab") as f:
         f.write(b'{"rid": "killed", "file": "2026')
 
     dumper = start_dumper(dump_dir, [1])

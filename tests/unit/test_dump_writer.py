@@ -6,8 +6,8 @@ time went."""
 import os
 import time
 
-from sglang.srt.managers import hidden_states_dump
-from sglang.srt.managers.hidden_states_dump import DumpCounters, DumpRequest, DumpTimings, read_manifest
+from sglang.srt.hidden_states_dump.format import TEMP_PREFIX, DumpCounters, DumpTimings, read_manifest
+from sglang.srt.hidden_states_dump.requests import DumpRequest
 from tests.unit.dump_standins import (
     WAIT_TIMEOUT_S,
     assert_dir_holds_exactly,
@@ -33,7 +33,7 @@ HOSTILE_RIDS = [
     "",
     " ",
     "manifest.jsonl",
-    hidden_states_dump.TEMP_PREFIX + "x",
+    TEMP_PREFIX + "x",
     "r" * 10_240,
     "nul\x00byte",
     "new\nline\r\t",
@@ -111,7 +111,7 @@ def test_a_full_queue_in_drop_mode_drops_whole_requests(dump_dir, monkeypatch):
 
 def test_stale_temporary_files_are_removed_at_start(dump_dir):
     stale_name = "20260101T000000-00000000-000000001.safetensors"
-    stale = dump_dir / (hidden_states_dump.TEMP_PREFIX + stale_name)
+    stale = dump_dir / (TEMP_PREFIX + stale_name)
     stale.write_bytes(b"half a file")
     kept = dump_dir / "notes.txt"
     kept.write_text("not ours")
@@ -130,7 +130,7 @@ def test_timings_say_whether_the_scheduler_waited_for_the_disk(dump_dir, monkeyp
 
     def slow_fsync(fd):
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
-        if name.startswith(hidden_states_dump.TEMP_PREFIX):
+        if name.startswith(TEMP_PREFIX):
             time.sleep(0.05)
         fsync(fd)
 
@@ -146,7 +146,7 @@ def test_timings_say_whether_the_scheduler_waited_for_the_disk(dump_dir, monkeyp
     # each wait for a file to finish.
     assert timings.blocked_ms >= 4 * 50
     assert timings.capture_ms < timings.blocked_ms
-    with caplog.at_level("INFO", logger=hidden_states_dump.__name__):
+    with caplog.at_level("INFO", logger="sglang.srt.hidden_states_dump"):
         dumper._writer.stats.log()
     logged = DumpTimings.parse(caplog.text)
     assert logged is not None and logged.write_ms >= timings.write_ms
@@ -161,7 +161,7 @@ def hold_first_file_until(monkeypatch, dump_dir, released) -> list:
 
     def fsync_holding_the_first(fd):
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
-        if name.startswith(hidden_states_dump.TEMP_PREFIX) and name.endswith("-000000001.safetensors"):
+        if name.startswith(TEMP_PREFIX) and name.endswith("-000000001.safetensors"):
             deadline = time.monotonic() + WAIT_TIMEOUT_S
             while not released():
                 assert time.monotonic() < deadline, "the first file was never released"
@@ -174,7 +174,7 @@ def hold_first_file_until(monkeypatch, dump_dir, released) -> list:
 
 
 def temp_files(dump_dir) -> list:
-    return [n for n in os.listdir(dump_dir) if n.startswith(hidden_states_dump.TEMP_PREFIX)]
+    return [n for n in os.listdir(dump_dir) if n.startswith(TEMP_PREFIX)]
 
 
 def test_writer_threads_write_side_by_side_and_never_wait_for_an_earlier_files_turn(dump_dir, monkeypatch):
@@ -191,7 +191,7 @@ def test_writer_threads_write_side_by_side_and_never_wait_for_an_earlier_files_t
 
     # Eight or more temporary files (a thread may have begun another), nothing published.
     [listing] = seen
-    assert len(listing) >= 8 and all(n.startswith(hidden_states_dump.TEMP_PREFIX) for n in listing)
+    assert len(listing) >= 8 and all(n.startswith(TEMP_PREFIX) for n in listing)
     assert [line["rid"] for line in lines] == rids
     for i, line in enumerate(lines):
         assert_dumped(dump_dir, line, prompt(1000 + 100 * i, 64), [0, 1, 2, 3, 4])

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from sglang.srt.managers import hidden_states_dump
-from sglang.srt.managers.hidden_states_dump import DumpRequest, manifest_name, read_manifest
+from sglang.srt.hidden_states_dump.format import TEMP_PREFIX, manifest_name, read_manifest
+from sglang.srt.hidden_states_dump.requests import DumpRequest
 from tests.unit.dump_standins import (
     WAIT_TIMEOUT_S,
     assert_dir_holds_exactly,
@@ -41,7 +41,7 @@ def write_as_rank(dump_dir: str, rank: str, run: str, count: str, control_dir: s
 
     def fsync_or_hold(fd):
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
-        if name.startswith(hidden_states_dump.TEMP_PREFIX):
+        if name.startswith(TEMP_PREFIX):
             synced.append(name)
             if len(synced) == HELD_FILE and (control / f"hold-{rank}").exists():
                 (control / f"holding-{rank}").touch()
@@ -94,7 +94,7 @@ def test_writers_sharing_a_directory_keep_to_their_own_files(dump_dir, tmp_path)
     # Rank 1 dies in the middle of a write; rank 2 is in the middle of one too.
     writers[1].send_signal(signal.SIGKILL)
     writers[1].wait()
-    partials = sorted(p.name for p in dump_dir.iterdir() if p.name.startswith(hidden_states_dump.TEMP_PREFIX))
+    partials = sorted(p.name for p in dump_dir.iterdir() if p.name.startswith(TEMP_PREFIX))
     assert len(partials) == 2, partials
     others = {name: (dump_dir / name).read_bytes() for name in (manifest_name(0), manifest_name(2))}
 
@@ -103,7 +103,7 @@ def test_writers_sharing_a_directory_keep_to_their_own_files(dump_dir, tmp_path)
     finished(start_writer(dump_dir, control, 1, "again", 4))
     assert {name: (dump_dir / name).read_bytes() for name in others} == others, \
         "a starting writer changed another writer's manifest"
-    left = sorted(p.name for p in dump_dir.iterdir() if p.name.startswith(hidden_states_dump.TEMP_PREFIX))
+    left = sorted(p.name for p in dump_dir.iterdir() if p.name.startswith(TEMP_PREFIX))
     assert len(left) == 1 and left[0] in partials, "the live writer's file must stay, the dead one's go"
 
     (control / "hold-2").unlink()

@@ -1,0 +1,25 @@
+"""Dump the hidden states of every prefilled prompt to disk, for EAGLE-3 draft training.
+
+Turned on by SGLANG_HS_DUMP_DIR. For each request, once its whole prompt has been
+prefilled (chunks of a chunked prefill are stitched on the host), one safetensors file
+holds its token ids, the residual stream entering each configured layer, and the final
+normed state; one line per complete file goes to the writer's manifest. One source for
+every release the series supports: what differs between releases is checked at startup
+(startup_checks), never kept as copies.
+
+The modules, each one concern:
+    format          the files, the manifests and the log lines, and their reader
+                    (imports nothing from sglang)
+    config          the settings, read from the environment once
+    startup_checks  the server options the dump supports, and the series patches it needs
+    requests        which requests of a batch are dumped (the scheduler's hooks)
+    capture         the model's hook on the scheduler thread: rows off the device
+    host_buffers    host memory for the rows, reused across forwards
+    writer          writer threads, publishing files in submission order
+    stats           counters and timings
+    lifecycle       writing what is queued before a process goes
+
+The hooks elsewhere stay thin: the scheduler asks `requests.requests_to_dump` which
+requests of an extend batch are dumped, and the model hands its outputs to
+`capture.HiddenStatesDumper.capture` after each forward.
+"""

@@ -1,0 +1,284 @@
+"""Capture on the scheduler thread: the model hands each forward's states to
+HiddenStatesDumper.capture, which takes the dumped requests' rows off the device without
+blocking the forward, stitches chunked prefills, and submits whole prompts to the writer.
+"""
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from sglang.srt.hidden_states_dump import lifecycle
+from sglang.srt.hidden_states_dump.config import DumpConfig, check_dump_dir
+from sglang.srt.hidden_states_dump.format import (
+    DumpCounters,
+    DumpTimings,
+    file_metadata,
+    manifest_name,
+    quantize_rows,
+)
+from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostBuffers
+from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.hidden_states_dump.startup_checks import (
+    check_patches,
+    check_server_args,
+    prefill_graphs_run_dumps_eagerly,
+)
+from sglang.srt.hidden_states_dump.writer import (
+    DumpWriter,
+    remove_stale_temp_files,
+    repair_torn_manifest,
+)
+from sglang.version import __version__
+
+logger = logging.getLogger(__name__)
+
+# The dump's own revision within the series, bumped when what it writes or refuses changes.
+SERIES_REVISION = 4
+SERIES_VERSION = f"{__version__}-{SERIES_REVISION}"
+
+
+@dataclass
+class PartialPrompt:
+    """A request whose prompt is prefilled in chunks: the chunks seen so far."""
+
+    request: DumpRequest
+    chunks: List[Chunk] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+def server_args_and_ranks():
+    """This process's server arguments and its (attention-TP rank, attention-DP rank or 0
+    without DP attention, last pipeline stage?). 0.5.23 serves them from
+    sglang.srt.runtime_context (get_global_server_args is retired there); older releases
+    from module-level getters."""
+    try:
+        from sglang.srt.runtime_context import get_parallel, get_server_args
+    except ImportError:
+        from sglang.srt.distributed import get_pp_group
+        from sglang.srt.layers.dp_attention import (
+            get_attention_dp_rank,
+            get_attention_tp_rank,
+        )
+        from sglang.srt.server_args import get_global_server_args
+
+        server_args = get_global_server_args()
+        dp_rank = get_attention_dp_rank() if server_args.enable_dp_attention else 0
+        return server_args, (get_attention_tp_rank(), dp_rank, get_pp_group().is_last_rank)
+    server_args, parallel = get_server_args(), get_parallel()
+    dp_rank = parallel.attn_dp_rank if server_args.enable_dp_attention else 0
+    return server_args, (parallel.attn_tp_rank, dp_rank, parallel.pp_group.is_last_rank)
+
+
+class HiddenStatesDumper:
+    """One per model replica. Every rank validates the configuration the same way; only
+    the rank that writes for its data-parallel group copies rows and writes files."""
+
+    def __init__(
+        self,
+        config: DumpConfig,
+        metadata: Dict[str, str],
+        is_writer: bool,
+        dp_rank: int = 0,
+    ):
+        self.config = config
+        self.layer_ids: List[int] = json.loads(metadata["layer_ids"])
+        self.host_buffers = HostBuffers(pin_memory=torch.cuda.is_available())
+        self._copy_stream = None  # device-to-host copies leave the forward's stream
+        # The model appends aux hidden states as its layers run, i.e. by ascending id.
+        self._aux_order = [sorted(self.layer_ids).index(i) for i in self.layer_ids]
+        self.is_writer = is_writer
+        self._partials: Dict[str, PartialPrompt] = {}
+        self._writer: Optional[DumpWriter] = None
+        if not is_writer:
+            return
+        manifest = manifest_name(dp_rank)
+        remove_stale_temp_files(config.dump_dir)
+        repair_torn_manifest(os.path.join(config.dump_dir, manifest))
+        self._writer = DumpWriter(
+            config.dump_dir,
+            metadata,
+            queue_size=config.queue_size,
+            on_full_queue=config.on_full_queue,
+            threads=config.writer_threads,
+            manifest_name=manifest,
+        )
+        lifecycle.register_writer(self._writer, config.drain_timeout_s)
+        eager = (
+            "; prefills with dumped requests run without prefill CUDA graphs"
+            if prefill_graphs_run_dumps_eagerly()
+            else ""
+        )
+        logger.info(
+            f"hidden states dump on: dir={config.dump_dir} manifest={manifest} "
+            f"layers={self.layer_ids} (of L={metadata['num_layers']}) "
+            f"encoding={metadata['encoding']} writer_threads={config.writer_threads}{eager}"
+        )
+
+    @classmethod
+    def from_env(cls, model_config) -> Optional["HiddenStatesDumper"]:
+        """The model's dumper when SGLANG_HS_DUMP_DIR is set, after every check; a
+        ValueError stops the server before any warmup runs."""
+        config = DumpConfig.from_env()
+        if config is None:
+            return None
+        server_args, (attn_tp_rank, dp_rank, last_pp_stage) = server_args_and_ranks()
+        check_server_args(server_args)
+        check_patches()
+        num_layers = model_config.num_hidden_layers
+        layer_ids = config.layer_ids(num_layers)
+        check_dump_dir(config.dump_dir)
+        # The model is being built under its own default dtype.
+        metadata = file_metadata(
+            layer_ids,
+            num_layers,
+            server_args.model_path,
+            sglang_version=__version__,
+            series_version=SERIES_VERSION,
+            fp8=config.dtype == "fp8",
+            model_dtype=torch.get_default_dtype(),
+        )
+        is_writer = attn_tp_rank == 0 and last_pp_stage
+        return cls(config, metadata, is_writer, dp_rank)
+
+    def counters(self) -> Optional[DumpCounters]:
+        """The counters of this replica's writer (None on ranks that do not write)."""
+        return self._writer.counters() if self._writer else None
+
+    def timings(self) -> Optional[DumpTimings]:
+        return self._writer.timings() if self._writer else None
+
+    def capture(
+        self,
+        forward_batch,
+        hidden_states: torch.Tensor,
+        aux_hidden_states: Optional[Sequence[torch.Tensor]],
+    ) -> None:
+        requests = forward_batch.hidden_states_dump_requests
+        if requests is None or not self.is_writer:
+            return
+        started = time.perf_counter()
+        spans, continuing = self._spans(forward_batch, requests)
+        self._discard_abandoned(continuing)
+        if not spans:
+            return
+        rows = self._copy_to_host(forward_batch, hidden_states, aux_hidden_states, spans)
+        offset, blocked = 0, 0.0
+        for request, prefix_len, start, end in spans:
+            chunk = Chunk(rows, offset, offset + end - start)
+            offset += end - start
+            blocked += self._add_chunk(request, prefix_len, chunk)
+        elapsed = time.perf_counter() - started
+        self._writer.stats.add(seconds=dict(capture_ms=elapsed - blocked))
+
+    def _spans(self, forward_batch, requests):
+        """(request, prefix_len, first row, end row) of each dumped request's prompt rows in
+        this forward, and the rids the forward continues."""
+        spans, continuing = [], set()
+        start = 0
+        for request, prefix_len, extend_len in zip(
+            requests,
+            forward_batch.extend_prefix_lens_cpu,
+            forward_batch.extend_seq_lens_cpu,
+        ):
+            if request is not None:
+                continuing.add(request.rid)
+                prompt_rows = min(extend_len, request.prompt_len - prefix_len)
+                if prompt_rows > 0:
+                    spans.append((request, prefix_len, start, start + prompt_rows))
+            start += extend_len
+        return spans, continuing
+
+    def _discard_abandoned(self, continuing) -> None:
+        # The scheduler puts a request that is being prefilled in chunks into every
+        # next prefill batch until its prompt is done; one missing from this batch was
+        # aborted or retracted, and its chunks are dropped.
+        for rid in [rid for rid in self._partials if rid not in continuing]:
+            partial = self._partials.pop(rid)
+            logger.info(
+                f"hidden states dump: request {rid!r} left after "
+                f"{partial.num_tokens} of {partial.request.prompt_len} prompt tokens; "
+                f"nothing written"
+            )
+            self._writer.stats.add(discarded=1)
+
+    def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans):
+        if hidden_states.device.type == "cpu":
+            device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+            host_rows = self.host_buffers.rows(device_rows)
+            for name, tensor in device_rows.items():
+                getattr(host_rows, name).copy_(tensor)
+            return host_rows
+        # On their own stream, so the next forward does not wait for the copies; the
+        # inputs, made on the forward's stream, stay allocated until the copies are done.
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+            host_rows = self.host_buffers.rows(device_rows, ready=torch.cuda.Event())
+            for name, tensor in device_rows.items():
+                getattr(host_rows, name).copy_(tensor, non_blocking=True)
+            host_rows.ready.record(stream)
+        inputs = [forward_batch.input_ids, hidden_states]
+        inputs += [aux_hidden_states] if isinstance(aux_hidden_states, torch.Tensor) else list(aux_hidden_states)
+        for tensor in inputs:
+            tensor.record_stream(stream)
+        return host_rows
+
+    def _rows(self, forward_batch, hidden_states, aux_hidden_states, spans):
+        """The dumped requests' rows of this forward, in the file's form: token ids,
+        captured layers [T, K, H] in the configured order, the final state, converted
+        or quantized as SGLANG_HS_DUMP_DTYPE says."""
+
+        def dumped_rows(tensor: torch.Tensor) -> torch.Tensor:
+            if len(spans) == 1 or all(a[3] == b[2] for a, b in zip(spans, spans[1:])):
+                return tensor[spans[0][2] : spans[-1][3]]
+            return torch.cat([tensor[start:end] for _, _, start, end in spans])
+
+        if isinstance(aux_hidden_states, torch.Tensor):
+            # Packed by upstream's AuxHiddenStatePacker (0.5.23): [T, K * H], by ascending id.
+            layers = dumped_rows(aux_hidden_states).unflatten(-1, (len(self._aux_order), -1))
+            aux_rows = layers[:, self._aux_order]
+        else:
+            aux_rows = torch.stack(
+                [dumped_rows(aux_hidden_states[j]) for j in self._aux_order], dim=1
+            )
+        rows = {
+            "token_ids": dumped_rows(forward_batch.input_ids).to(torch.int64),
+            "hidden_states": aux_rows,
+            "last_hidden_state": dumped_rows(hidden_states),
+        }
+        if self.config.dtype == "bf16":
+            for name in ("hidden_states", "last_hidden_state"):
+                rows[name] = rows[name].to(torch.bfloat16)
+        elif self.config.dtype == "fp8":
+            for name in ("hidden_states", "last_hidden_state"):
+                rows[name], rows[f"{name}_scale"] = quantize_rows(rows[name])
+        return rows
+
+    def _add_chunk(self, request: DumpRequest, prefix_len: int, chunk: Chunk) -> float:
+        """Add a chunk to its request and submit the request once its prompt is whole;
+        returns the seconds the submit waited for the queue."""
+        partial = self._partials.pop(request.rid, None)
+        if prefix_len == 0:
+            partial = PartialPrompt(request)
+        elif partial is None or partial.num_tokens != prefix_len:
+            have = 0 if partial is None else partial.num_tokens
+            logger.error(
+                f"hidden states dump: request {request.rid!r} has no hidden states for "
+                f"prompt positions {have}..{prefix_len}; nothing written"
+            )
+            self._writer.stats.add(errors=1)
+            return 0.0
+        partial.chunks.append(chunk)
+        partial.num_tokens += chunk.end - chunk.start
+        if partial.num_tokens >= request.prompt_len:
+            return self._writer.submit(request, partial.chunks)
+        self._partials[request.rid] = partial
+        return 0.0

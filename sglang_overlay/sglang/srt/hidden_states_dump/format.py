@@ -1,0 +1,292 @@
+"""The dump's format on disk and in the log: what the server writes, and the reader of it.
+
+One safetensors file per request:
+
+    token_ids          int64 [T]
+    hidden_states      [T, K, H] in the model dtype: the residual stream entering each
+                       configured layer, in the configured order (transformers'
+                       `hidden_states` convention: 0 is the embedding output, L the last
+                       layer's output before the final norm)
+    last_hidden_state  [T, H]: the final normed state the LM head reads
+
+With the fp8 encoding both state tensors are float8 e4m3, each row scaled by its own
+amax (hidden_states_scale [T, K] and last_hidden_state_scale [T], float32). The
+metadata's `encoding` says which; load_dump dequantizes by default.
+
+Each writer appends one line per complete file to its own manifest in the directory
+(manifest.jsonl, or manifest-dp<k>.jsonl for data-parallel rank k > 0); read_manifest
+and ManifestFollower read them all as one.
+
+This module imports nothing from sglang: a trainer's machine reads a dump with torch and
+safetensors alone (load this file by its path where SGLang is not installed).
+"""
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+FORMAT_VERSION = "1"
+MANIFEST_NAME = "manifest.jsonl"  # data-parallel rank 0's; rank k > 0 writes manifest-dp<k>
+MANIFEST_FILE = re.compile(r"^manifest(?:-dp([1-9][0-9]*))?\.jsonl$")
+TEMP_PREFIX = ".partial-"
+PLAIN_ENCODING = "plain"
+FP8_ENCODING = "fp8_e4m3_row_scaled"
+FP8_MAX = 448.0  # the largest float8 e4m3 (fn) value
+
+# The tensors of a file, in file order (the scales only in fp8 files).
+FILE_TENSORS = (
+    "token_ids",
+    "hidden_states",
+    "last_hidden_state",
+    "hidden_states_scale",
+    "last_hidden_state_scale",
+)
+
+SAFETENSORS_DTYPES = {
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int64: "I64",
+}
+
+
+def file_metadata(
+    layer_ids: List[int],
+    num_layers: int,
+    model_path: str,
+    sglang_version: str,
+    series_version: str,
+    fp8: bool = False,
+    model_dtype: torch.dtype = torch.bfloat16,
+) -> Dict[str, str]:
+    """The metadata every file of a dump carries (the writer adds each file's rid). fp8
+    files also name the model dtype that load_dump dequantizes to."""
+    metadata = {
+        "format": FORMAT_VERSION,
+        "layer_ids": json.dumps(layer_ids),
+        "num_layers": str(num_layers),
+        "model_path": str(model_path),
+        "sglang_version": sglang_version,
+        "series_version": series_version,
+        "encoding": FP8_ENCODING if fp8 else PLAIN_ENCODING,
+    }
+    if fp8:
+        metadata["model_dtype"] = dtype_name(model_dtype)
+    return metadata
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def quantize_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 rows and the float32 scale of each (its amax / FP8_MAX), over the
+    last dimension; an all-zero row gets scale 1."""
+    amax = rows.abs().amax(dim=-1).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (rows.float() / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def dequantize_rows(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (quantized.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def safetensors_header(
+    parts: Dict[str, List[torch.Tensor]], num_tokens: int, metadata: Dict[str, str]
+) -> bytes:
+    """The safetensors header of a file whose tensors are the row-wise concatenation of
+    `parts`, stored back to back in that order. Metadata values must have a UTF-8 form
+    (a lone surrogate in a rid fails here, before anything is written)."""
+    header: Dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensors in parts.items():
+        first = tensors[0]
+        size = first.element_size() * num_tokens * math.prod(first.shape[1:])
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[first.dtype],
+            "shape": [num_tokens, *first.shape[1:]],
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # tensor data starts 8-byte aligned
+    return len(encoded).to_bytes(8, "little") + encoded
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in row-major order (little-endian hosts), without a copy when
+    it is contiguous."""
+    return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def manifest_entry(
+    rid: str, file: str, num_tokens: int, layer_ids: List[int], hidden_states: torch.Tensor
+) -> dict:
+    """The manifest line of one file (read back by read_manifest)."""
+    return {
+        "rid": rid,
+        "file": file,
+        "num_tokens": num_tokens,
+        "layers": list(layer_ids),
+        "hidden_size": hidden_states.shape[-1],
+        "dtype": dtype_name(hidden_states.dtype),
+    }
+
+
+def manifest_name(dp_rank: int) -> str:
+    return MANIFEST_NAME if dp_rank == 0 else f"manifest-dp{dp_rank}.jsonl"
+
+
+def manifest_paths(dump_dir: str) -> List[str]:
+    """Every writer's manifest in `dump_dir`: data-parallel rank 0's first, then by rank."""
+    try:
+        names = os.listdir(dump_dir)
+    except FileNotFoundError:
+        return []
+    ranked = [(int(m.group(1) or 0), name) for name in names if (m := MANIFEST_FILE.match(name))]
+    return [os.path.join(dump_dir, name) for _, name in sorted(ranked)]
+
+
+def parse_manifest_line(line: bytes) -> Optional[dict]:
+    """A manifest entry, or None when `line` is not one (a torn line)."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def read_manifest(dump_dir: str) -> List[dict]:
+    """The entries of every writer's manifest in `dump_dir`, each manifest in its order
+    (see manifest_paths). A torn last line (a line being appended, or one a killed server
+    left) is not an entry; a line that does not parse elsewhere is an error."""
+    return ManifestFollower(dump_dir).poll()
+
+
+class ManifestFollower:
+    """Follows every manifest of a dump directory as writers append to them: each `poll`
+    returns the entries added since the last one, reading only the bytes appended since
+    (a manifest that appears later is picked up). A torn last line waits for its end."""
+
+    def __init__(self, dump_dir: str):
+        self.dump_dir = str(dump_dir)
+        self._offsets: Dict[str, int] = {}  # manifest path: bytes consumed (whole lines)
+        self._line_numbers: Dict[str, int] = {}
+        self.entries: List[dict] = []  # every entry seen so far
+
+    def poll(self) -> List[dict]:
+        new = []
+        for path in manifest_paths(self.dump_dir):
+            offset = self._offsets.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            for line in data[:end].splitlines():
+                self._line_numbers[path] = self._line_numbers.get(path, 0) + 1
+                if not line.strip():
+                    continue
+                entry = parse_manifest_line(line)
+                if entry is None:
+                    raise ValueError(
+                        f"{path}:{self._line_numbers[path]}: not a manifest entry: {line[:200]!r}"
+                    )
+                new.append(entry)
+            self._offsets[path] = offset + end
+        self.entries += new
+        return new
+
+
+@dataclass
+class DumpRecord:
+    token_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    last_hidden_state: torch.Tensor
+    metadata: Dict[str, str]
+    # Only when an fp8 file is read raw: float32 scales, one per row.
+    hidden_states_scale: Optional[torch.Tensor] = None
+    last_hidden_state_scale: Optional[torch.Tensor] = None
+
+    @property
+    def layer_ids(self) -> List[int]:
+        return json.loads(self.metadata["layer_ids"])
+
+    @property
+    def encoding(self) -> str:
+        return self.metadata.get("encoding", PLAIN_ENCODING)
+
+
+def load_dump(path: str, raw: bool = False) -> DumpRecord:
+    """Read one dumped file: the writer's twin, used by tests and tools. fp8 states come
+    back dequantized to the model's dtype, or as stored (with their scales) when `raw`."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        metadata = f.metadata()
+    record = DumpRecord(metadata=metadata, **tensors)
+    if record.encoding == FP8_ENCODING and not raw:
+        dtype = getattr(torch, metadata["model_dtype"])
+        record.hidden_states = dequantize_rows(
+            record.hidden_states, record.hidden_states_scale, dtype
+        )
+        record.last_hidden_state = dequantize_rows(
+            record.last_hidden_state, record.last_hidden_state_scale, dtype
+        )
+        record.hidden_states_scale = record.last_hidden_state_scale = None
+    return record
+
+
+class LogLine:
+    """A dataclass of integers that operators read in the server log, as the line `line`
+    builds after LOG_PREFIX; `parse` reads the last such line of a log back."""
+
+    LOG_PREFIX = ""
+
+    def line(self) -> str:
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+    @classmethod
+    def parse(cls, log: str):
+        """The values of the last such line in `log` (None: there is none)."""
+        pattern = re.escape(cls.LOG_PREFIX) + " ".join(rf"{f.name}=(\d+)" for f in fields(cls))
+        matches = re.findall(pattern, log)
+        return cls(*map(int, matches[-1])) if matches else None
+
+
+@dataclass(frozen=True)
+class DumpCounters(LogLine):
+    """A snapshot of the dump's counters."""
+
+    LOG_PREFIX = "hidden states dump: "
+
+    files: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    errors: int = 0
+    dropped: int = 0
+    discarded: int = 0
+
+
+@dataclass(frozen=True)
+class DumpTimings(LogLine):
+    """Where the dump's time went, in milliseconds summed since the start: on the
+    scheduler thread, taking rows off the forward (`capture_ms`) and waiting for a full
+    queue (`blocked_ms`); on the writer threads, waiting for rows to reach the host
+    (`copy_wait_ms`), writing and syncing files (`write_ms`), and publishing them in
+    submission order, renaming each and appending its manifest line (`manifest_ms`)."""
+
+    LOG_PREFIX = "hidden states dump timings: "
+
+    capture_ms: int = 0
+    blocked_ms: int = 0
+    copy_wait_ms: int = 0
+    write_ms: int = 0
+    manifest_ms: int = 0

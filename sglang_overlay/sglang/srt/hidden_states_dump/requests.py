@@ -1,0 +1,59 @@
+"""Which requests of a batch are dumped: what the scheduler's hooks ask, on the hot path.
+
+With dumping off every helper here returns after one cached bool check.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from sglang.srt.hidden_states_dump.config import dump_enabled
+
+# Requests the server sends itself (startup warmup, /health_generate) are never dumped.
+INTERNAL_RID_PREFIXES = ("WARMUP_", "HEALTH_CHECK")
+
+
+@dataclass(frozen=True)
+class DumpRequest:
+    """What the dump needs to know about one request of an extend batch."""
+
+    rid: str
+    prompt_len: int
+
+
+def wants_dump(req) -> bool:
+    """Whether this request's next prefill is dumped: a client request whose prompt has
+    not been prefilled whole yet (a retracted request prefills again with output ids),
+    and that is not being aborted. An abort (client, timeout, or a request the scheduler
+    rejects, whose prompt it replaces by one token) only takes effect once the prefill
+    is done, so without this an aborted request would still be dumped."""
+    return (
+        not req.output_ids
+        and req.to_finish is None
+        and not req.finished()
+        and isinstance(req.rid, str)
+        and not req.rid.startswith(INTERNAL_RID_PREFIXES)
+    )
+
+
+def may_match_cached_prefix(req) -> bool:
+    """Whether the request may reuse a cached prefix: a dumped prompt may not, since a
+    cached prefix has no hidden states (its whole prompt is prefilled, so files have no
+    gaps; its KV cache is still inserted for later requests)."""
+    return not (dump_enabled() and wants_dump(req))
+
+
+def requests_to_dump(reqs) -> Optional[List[Optional[DumpRequest]]]:
+    """Per request of an extend batch, what to dump (None: not dumped); None when
+    dumping is off."""
+    if not dump_enabled():
+        return None
+    return [
+        DumpRequest(req.rid, len(req.origin_input_ids)) if wants_dump(req) else None
+        for req in reqs
+    ]
+
+
+def holds_dumped_request(requests: Optional[List[Optional[DumpRequest]]]) -> bool:
+    """Whether a batch whose requests_to_dump are `requests` dumps any: such a prefill
+    runs eagerly (a replayed CUDA graph runs no Python hook), on every DP rank alike."""
+    return requests is not None and any(requests)

@@ -1,0 +1,153 @@
+"""What is checked once, when a model with dumping on is built: the server options the
+dump supports, and the series patches it relies on.
+
+A patch leaves its marker where it hooks into upstream code: the upstream module calls a
+helper of this package by name. A port that skipped a patch would otherwise lose dumps
+without a word (prefill CUDA graphs replay without the dump's hook; a kill loses the
+queue), so a missing marker stops the server, naming the patch.
+"""
+
+import importlib
+import importlib.util
+import inspect
+import types
+from dataclasses import dataclass
+from typing import Iterator, Optional, Set, Tuple
+
+
+@dataclass(frozen=True)
+class PatchMarker:
+    patch: str  # the patch's concern, as its name has it after the number
+    modules: Tuple[str, ...]  # the upstream modules the patch hooks into (any one holds it)
+    helper: str  # the name of this package's helper the hooked code calls
+    # The upstream feature may be missing from a release (then so is the patch, and
+    # check_server_args refuses the options that would need it).
+    feature_module: Optional[str] = None
+
+
+PATCH_MARKERS = (
+    PatchMarker(
+        "carry-dump-requests-with-the-batch",
+        ("sglang.srt.model_executor.forward_batch_info", "sglang.srt.managers.schedule_batch"),
+        "requests_to_dump",
+    ),
+    PatchMarker(
+        "dumped-prompts-never-match-a-cached-prefix",
+        ("sglang.srt.managers.schedule_batch",),
+        "may_match_cached_prefix",
+    ),
+    PatchMarker(
+        "prefill-cuda-graph-runs-dumped-prefills-eagerly",
+        ("sglang.srt.model_executor.runner.prefill_cuda_graph_runner",),
+        "holds_dumped_request",
+        feature_module="sglang.srt.model_executor.runner.prefill_cuda_graph_runner",
+    ),
+    PatchMarker(
+        "drain-the-dump-before-killing-the-server-processes",
+        ("sglang.srt.utils.common",),
+        "drain_before_kill",
+    ),
+    PatchMarker(
+        "drain-the-dump-before-killing-the-server-processes",
+        ("sglang.srt.managers.scheduler",),
+        "drain_writers_at_exit",
+    ),
+)
+
+
+def check_patches(markers=PATCH_MARKERS) -> None:
+    """Refuse to dump from a tree that lacks a patch the dump relies on."""
+    missing = [
+        f"{marker.patch} (no call to {marker.helper} in {' or '.join(marker.modules)})"
+        for marker in markers
+        if feature_present(marker) and not any(
+            marker.helper in names_called_by(module) for module in marker.modules
+        )
+    ]
+    if missing:
+        raise ValueError(
+            "SGLANG_HS_DUMP_DIR is set, but this SGLang tree lacks series patches the "
+            "hidden states dump relies on: " + "; ".join(missing) + ". Apply the whole "
+            "series (make apply)."
+        )
+
+
+def feature_present(marker: PatchMarker) -> bool:
+    if marker.feature_module is None:
+        return True
+    try:
+        return importlib.util.find_spec(marker.feature_module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def prefill_graphs_run_dumps_eagerly() -> bool:
+    """Whether this release has prefill CUDA graphs that leave dumped prefills eager (the
+    patch's marker is checked by check_patches); older releases replay a piecewise
+    graph, which runs no hook."""
+    marker = next(m for m in PATCH_MARKERS if m.helper == "holds_dumped_request")
+    return feature_present(marker)
+
+
+def names_called_by(module_name: str) -> Set[str]:
+    """Every global and attribute name the functions and methods of a module use."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        return set()
+    names = set()
+    for code in _code_objects(module):
+        names.update(code.co_names)
+    return names
+
+
+def _code_objects(module) -> Iterator[types.CodeType]:
+    stack = []
+    for value in vars(module).values():
+        if inspect.isfunction(value) and value.__module__ == module.__name__:
+            stack.append(value.__code__)
+        elif inspect.isclass(value) and value.__module__ == module.__name__:
+            for member in vars(value).values():
+                function = getattr(member, "__func__", member)  # staticmethod, classmethod
+                if inspect.isfunction(function):
+                    stack.append(function.__code__)
+    while stack:
+        code = stack.pop()
+        yield code
+        stack.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+
+
+def check_server_args(server_args) -> None:
+    """Refuse the configurations in which a dump would be incomplete or wrong."""
+    refusals = []
+    if server_args.pp_size > 1:
+        refusals.append(
+            "pipeline parallelism (--pp-size > 1): each stage only runs its own layers "
+            "and aux hidden states are not passed between stages"
+        )
+    if server_args.speculative_algorithm is not None:
+        refusals.append(
+            "speculative decoding: it sets its own layers to capture on the target model"
+        )
+    if getattr(server_args, "enable_return_aux_hidden_states", False):
+        refusals.append(
+            "--enable-return-aux-hidden-states: it sets its own layers to capture "
+            "(--return-aux-hidden-state-layer-ids) on the model"
+        )
+    if server_args.enable_two_batch_overlap:
+        refusals.append(
+            "--enable-two-batch-overlap: its overlapped layers run without the capture"
+        )
+    if (
+        getattr(server_args, "enable_piecewise_cuda_graph", False)
+        and not prefill_graphs_run_dumps_eagerly()
+    ):
+        refusals.append(
+            "--enable-piecewise-cuda-graph: a replayed prefill does not run the dump hook"
+        )
+    if refusals:
+        raise ValueError(
+            "SGLANG_HS_DUMP_DIR is set, but the hidden states dump does not support "
+            + "; ".join(refusals)
+            + "."
+        )
