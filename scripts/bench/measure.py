@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from scripts.dumps.server import Server, manifest_lines
+from scripts.dump_format import ManifestFollower
+from scripts.dumps.server import Server, wait_for_entries
 
 
 def prompts_for(count: int, length: int, seed: int) -> List[List[int]]:
@@ -25,12 +26,12 @@ def send_all(server: Server, prompts, **extra) -> float:
     return time.perf_counter() - started
 
 
-def wait_for_lines(dump_dir: Path, target: int, started: float, timeout: float) -> None:
-    """Wait until the manifest of `dump_dir` holds `target` lines."""
-    while manifest_lines(dump_dir) < target:
-        if time.perf_counter() - started > timeout:
-            raise RuntimeError(f"{dump_dir}: {manifest_lines(dump_dir)} of {target} manifest lines after {timeout}s")
-        time.sleep(0.002)
+def wait_for_lines(follower: ManifestFollower, target: int, started: float, timeout: float) -> None:
+    """Wait until the follower has seen `target` manifest entries."""
+    left = timeout - (time.perf_counter() - started)
+    entries = wait_for_entries(follower, lambda entries: len(entries) >= target, left, interval=0.002)
+    if len(entries) < target:
+        raise RuntimeError(f"{follower.dump_dir}: {len(entries)} of {target} manifest lines after {timeout}s")
 
 
 def send_and_land(server: Server, prompts, dump_dir: Optional[Path] = None, timeout: float = 600) -> float:
@@ -42,12 +43,13 @@ def send_and_land(server: Server, prompts, dump_dir: Optional[Path] = None, time
 def send_and_land_split(server: Server, prompts, dump_dir: Optional[Path] = None,
                         timeout: float = 600) -> Tuple[float, float]:
     """send_and_land's seconds to the last response and to the last file landed."""
+    follower = ManifestFollower(str(dump_dir)) if dump_dir else None
+    target = len(follower.poll()) + len(prompts) if dump_dir else 0
     started = time.perf_counter()
-    target = manifest_lines(dump_dir) + len(prompts) if dump_dir else 0
     send_all(server, prompts)
     responded = time.perf_counter() - started
     if dump_dir:
-        wait_for_lines(dump_dir, target, started, timeout)
+        wait_for_lines(follower, target, started, timeout)
     return responded, time.perf_counter() - started
 
 

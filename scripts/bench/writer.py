@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from scripts.bench.measure import dd_rate, filesystem, summary, wait_for_lines
-from scripts.dump_format import MANIFEST_NAME
+from scripts.dump_format import MANIFEST_NAME, ManifestFollower
 
 LAYER_IDS = [3, 31, 59]  # EAGLE-3's default for a 61-layer model
 NUM_MODEL_LAYERS = 61
@@ -50,7 +50,7 @@ def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, fi
     started = time.perf_counter()
     for i in range(files):
         writer.submit(DumpRequest(f"bench-{i}", tokens), [Chunk(rows, 0, tokens)])
-    wait_for_lines(directory, files, started, timeout=600)
+    wait_for_lines(ManifestFollower(str(directory)), files, started, timeout=600)
     seconds = time.perf_counter() - started
     written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     counters = writer.counters()

@@ -24,32 +24,28 @@ the sample counts as failed. Exit status 0 when every valid sample is dumped, 1 
 """
 
 import argparse
-import ctypes
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from scripts.dump_format import read_manifest
+from scripts.dump_format import ManifestFollower
 from scripts.dumps.chat import LOSS_MASKS, ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import Rejected, Sample, open_dataset, read_samples
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, AppendOnlyLines, read_lines, samples_line
-from scripts.dumps.server import Server, device_flags, has_gpu, manifest_lines, runtime_env
+from scripts.dumps.server import Server, has_gpu, runtime_env
 from scripts.toolchain.errors import USAGE, ToolError
 
 SERVER_LOG = "server.log"
 RETRYABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
-PR_SET_PDEATHSIG = 1
 
 
 class Client:
@@ -76,38 +72,27 @@ class Client:
             return self.get("/get_server_info")
 
 
-def _die_with_parent() -> None:
-    # A server this command started must not outlive it: a SIGKILLed run followed by a
-    # rerun would otherwise race the old server's in-flight requests into the manifest.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def model_of(info, url: str) -> Path:
+    """The tokenizer's folder a running server names in its server info."""
+    path = info.get("tokenizer_path") or info.get("model_path") if isinstance(info, dict) else None
+    if not path:
+        raise ToolError(f"--server {url}: its /server_info (or /get_server_info) names no model_path, "
+                        f"so the tokenizer is unknown: pass --model")
+    return Path(path)
 
 
 class DumpingServer(Server):
-    """The patched server on `model`, dumping into `out`; on the CPU with SGLang's CPU path
-    and the tests' memory sizes, then the user's arguments (later ones win)."""
+    """The patched server on `model`, dumping into `out`, that dies with this command; on
+    the CPU with SGLang's CPU path and the tests' memory sizes, then the user's arguments
+    (later ones win)."""
 
     def __init__(self, model: Path, out: Path, layers: Optional[str], server_args: List[str]):
         dump_env = {"SGLANG_HS_DUMP_DIR": str(out)}
         if layers:
             dump_env["SGLANG_HS_DUMP_LAYERS"] = layers
         env = runtime_env(**dump_env) if "SGLANG_CHECKOUT" in os.environ else {**os.environ, **dump_env}
-        super().__init__(model, out / SERVER_LOG, env)
-        defaults = [] if has_gpu() else [*device_flags(), "--max-total-tokens", "16384", "--mem-fraction-static", "0.5"]
-        self.args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--skip-tokenizer-init",
-                     "--host", "127.0.0.1", "--port", str(self.port), *defaults, *server_args]
-
-    def start(self) -> "DumpingServer":
-        self.log_file = open(self.log_path, "w")
-        self.process = subprocess.Popen(self.args, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def exited(self) -> Optional[int]:
-        return self.process.poll()
+        super().__init__(model, out / SERVER_LOG, env, server_args, defaults=[] if has_gpu() else None,
+                         cwd=None, tied_to_parent=True)
 
 
 @dataclass
@@ -145,8 +130,9 @@ def human_bytes(count: float) -> str:
 
 
 class Generation:
-    """One run over a dataset: prepares samples on this thread, sends them from a pool,
-    and follows the manifest on another thread to write samples lines."""
+    """One run over a dataset: prepares samples and follows the manifest on this thread,
+    sends them from a pool. A sample gets its samples line once it is answered and the
+    manifest lists its file (or at once, when an earlier run's manifest already does)."""
 
     def __init__(self, client: Client, out: Path, encoder: ChatEncoder, max_tokens: Optional[int], max_tokens_why: str,
                  concurrency: int, retries: int, manifest_timeout: float, server: Optional[DumpingServer] = None):
@@ -157,13 +143,14 @@ class Generation:
         self.rejected_lines = {entry["line"] for entry in read_lines(out / REJECTED_NAME)}
         self.samples_file = AppendOnlyLines(out / SAMPLES_NAME)
         self.rejected_file = AppendOnlyLines(out / REJECTED_NAME)
-        self.lock = threading.Lock()
+        self.manifest = ManifestFollower(str(out))
+        # Written on this thread only; the senders read it (a lookup) to spot a sample that
+        # was dumped although its answer was lost with a broken connection.
         self.dumped: Dict[str, dict] = {}      # rid -> its first manifest entry
         self.waiting: Dict[str, Prepared] = {}  # answered, its manifest line not seen yet
+        self.in_flight: Dict[Future, Prepared] = {}
         self.last_answer = time.monotonic()
-        self.stopping = threading.Event()
         self.unreachable = threading.Event()  # a sample ran out of retries: the rest would too
-        self.draining = threading.Event()  # every sample sent or answered: waiting for manifest lines
         self.tally = Tally()
         self.bar = None
         self.started = time.monotonic()
@@ -171,31 +158,15 @@ class Generation:
     # -- the manifest ------------------------------------------------------------------
 
     def _poll_manifest(self) -> None:
-        entries = read_manifest(str(self.out))
-        with self.lock:
-            for entry in entries:
-                if entry["rid"] in self.dumped:
-                    continue
-                self.dumped[entry["rid"]] = entry
-                prepared = self.waiting.pop(entry["rid"], None)
-                if prepared is not None:
-                    self._complete(prepared, entry, sent=True)
+        for entry in self.manifest.poll():
+            if entry["rid"] in self.dumped:
+                continue
+            self.dumped[entry["rid"]] = entry
+            prepared = self.waiting.pop(entry["rid"], None)
+            if prepared is not None:
+                self._complete(prepared, entry, sent=True)
 
-    def _follow_manifest(self) -> None:
-        seen_lines = -1
-        while not self.stopping.is_set():
-            started = time.monotonic()
-            lines = manifest_lines(self.out)
-            if lines != seen_lines:
-                seen_lines = lines
-                self._poll_manifest()
-            # Reading the manifest costs more as it grows. While samples are still being
-            # sent, a late samples line costs nothing (answers free the slots): poll rarely.
-            # At the end, every sample waits for its line: poll often.
-            spent = time.monotonic() - started
-            time.sleep(max(0.005, 2 * spent) if self.draining.is_set() else max(0.05, 50 * spent))
-
-    # -- outcomes (called with self.lock held) --------------------------------------------
+    # -- outcomes ------------------------------------------------------------------------
 
     def _complete(self, prepared: Prepared, entry: dict, sent: bool) -> None:
         if entry["num_tokens"] != len(prepared.input_ids):
@@ -214,6 +185,14 @@ class Generation:
         else:
             self.tally.completed += 1
         self._advance()
+
+    def _answered(self, prepared: Prepared) -> None:
+        self.last_answer = time.monotonic()
+        entry = self.dumped.get(prepared.rid)
+        if entry is not None:
+            self._complete(prepared, entry, sent=True)
+        else:
+            self.waiting[prepared.rid] = prepared
 
     def _reject(self, line: int, rid: Optional[str], rejection: Rejected) -> None:
         self.tally.rejected[rejection.kind] += 1
@@ -239,21 +218,20 @@ class Generation:
                                  f"rejected {rejected}, failed {self.tally.failed}", refresh=False)
         self.bar.update(1)
 
-    # -- sending -------------------------------------------------------------------------
+    # -- sending (on the pool's threads: each returns its outcome) ------------------------
 
     def _server_gone(self) -> bool:
         return self.unreachable.is_set() or (self.server is not None and self.server.exited() is not None)
 
-    def _send(self, prepared: Prepared) -> None:
+    def _send(self, prepared: Prepared) -> Optional[Rejected]:
+        """None once the server answered (or dumped it); the Rejected the server's refusal
+        makes; raises _Unanswered when every attempt failed."""
         body = {"input_ids": prepared.input_ids, "rid": prepared.rid,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         delay, error = 1.0, None
         for attempt in range(self.retries + 1):
-            with self.lock:
-                entry = self.dumped.get(prepared.rid)
-                if entry is not None:  # dumped, its answer lost with a broken connection
-                    self._complete(prepared, entry, sent=True)
-                    return
+            if prepared.rid in self.dumped:  # dumped, its answer lost with a broken connection
+                return None
             if attempt:
                 if self._server_gone():
                     break
@@ -264,9 +242,7 @@ class Generation:
             except urllib.error.HTTPError as e:
                 if 400 <= e.code < 500:
                     message = e.read().decode("utf-8", "replace")[:500]
-                    with self.lock:
-                        self._reject(prepared.line, prepared.rid, Rejected("server", f"the server refused it (HTTP {e.code}): {message}"))
-                    return
+                    return Rejected("server", f"the server refused it (HTTP {e.code}): {message}")
                 error = f"HTTP {e.code}"
                 continue
             except RETRYABLE as e:
@@ -276,17 +252,27 @@ class Generation:
             if finish.get("type") == "abort":
                 error = f"the server aborted it: {finish.get('message')}"
                 continue
-            with self.lock:
-                self.last_answer = time.monotonic()
-                entry = self.dumped.get(prepared.rid)
-                if entry is not None:
-                    self._complete(prepared, entry, sent=True)
-                else:
-                    self.waiting[prepared.rid] = prepared
-            return
+            return None
         self.unreachable.set()
-        with self.lock:
-            self._fail(prepared, f"not answered after {self.retries + 1} attempts: {error}")
+        raise _Unanswered(f"not answered after {self.retries + 1} attempts: {error}")
+
+    def _collect(self, timeout: Optional[float]) -> None:
+        """Wait up to `timeout` for a sent sample to finish, record every finished one, then
+        read what the manifest gained."""
+        if self.in_flight:
+            finished, _ = wait(self.in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
+            for future in finished:
+                prepared = self.in_flight.pop(future)
+                try:
+                    refusal = future.result()
+                except _Unanswered as e:
+                    self._fail(prepared, str(e))
+                    continue
+                if refusal is not None:
+                    self._reject(prepared.line, prepared.rid, refusal)
+                else:
+                    self._answered(prepared)
+        self._poll_manifest()
 
     def _prepare(self, sample: Sample) -> Prepared:
         input_ids, loss_mask = self.encoder.encode(sample.messages)
@@ -301,16 +287,6 @@ class Generation:
 
         self.tally.total = dataset.num_records if limit is None else min(limit, dataset.num_records)
         self._poll_manifest()
-        follower = threading.Thread(target=self._follow_manifest, name="manifest", daemon=True)
-        follower.start()
-        slots = threading.BoundedSemaphore(self.concurrency)
-
-        def send(prepared):
-            try:
-                self._send(prepared)
-            finally:
-                slots.release()
-
         self.bar = tqdm(total=self.tally.total, unit="sample", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
         resolved = 0
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
@@ -319,51 +295,50 @@ class Generation:
                     break
                 resolved += 1
                 if isinstance(result, Rejected):
-                    with self.lock:
-                        self._reject(record.line, None, result)
+                    self._reject(record.line, None, result)
                     continue
                 if result.rid in self.done:
-                    with self.lock:
-                        self.tally.already_done += 1
-                        self._advance()
+                    self.tally.already_done += 1
+                    self._advance()
                     continue
                 try:
                     prepared = self._prepare(result)
                 except Rejected as rejection:
-                    with self.lock:
-                        self._reject(record.line, result.rid, rejection)
+                    self._reject(record.line, result.rid, rejection)
                     continue
-                with self.lock:
-                    entry = self.dumped.get(prepared.rid)
-                    if entry is not None:
-                        self._complete(prepared, entry, sent=False)
-                        continue
-                slots.acquire()
-                pool.submit(send, prepared)
-        self.draining.set()
+                entry = self.dumped.get(prepared.rid)
+                if entry is not None:
+                    self._complete(prepared, entry, sent=False)
+                    continue
+                while len(self.in_flight) >= self.concurrency:
+                    self._collect(timeout=0.05)
+                self.in_flight[pool.submit(self._send, prepared)] = prepared
+            while self.in_flight:
+                self._collect(timeout=0.05)
         self._wait_for_manifest()
-        self.stopping.set()
-        follower.join()
-        with self.lock:
-            for prepared in self.waiting.values():
-                self._fail(prepared, f"answered, but no file in the manifest of {self.out} after "
-                                     f"{self.manifest_timeout:.0f} s: does the server dump there (SGLANG_HS_DUMP_DIR)?")
-            self.waiting.clear()
-            self.tally.not_attempted = self.tally.total - resolved
+        for prepared in self.waiting.values():
+            self._fail(prepared, f"answered, but no file in the manifest of {self.out} after "
+                                 f"{self.manifest_timeout:.0f} s: does the server dump there (SGLANG_HS_DUMP_DIR)?")
+        self.waiting.clear()
+        self.tally.not_attempted = self.tally.total - resolved
         self.bar.close()
         self.samples_file.close()
         self.rejected_file.close()
         return self.tally
 
     def _wait_for_manifest(self) -> None:
-        while True:
-            with self.lock:
-                if not self.waiting or time.monotonic() - self.last_answer > self.manifest_timeout:
-                    return
+        """Every answered sample waits for its manifest line, up to --manifest-timeout after
+        the last answer, or until the server is gone."""
+        while self.waiting and time.monotonic() - self.last_answer <= self.manifest_timeout:
             if self._server_gone():
                 self._poll_manifest()
                 return
             time.sleep(0.005)
+            self._poll_manifest()
+
+
+class _Unanswered(Exception):
+    """A sample every attempt of which failed."""
 
 
 def report(tally: Tally, out: Path, seconds: float, server_exit: Optional[int]) -> str:
@@ -433,7 +408,7 @@ def generate(args: argparse.Namespace) -> int:
                 info = client.server_info()
             except RETRYABLE as e:
                 raise ToolError(f"--server {args.server}: no answer ({e})")
-            model = args.model or Path(info.get("tokenizer_path") or info["model_path"])
+            model = args.model or model_of(info, args.server)
         else:
             model = args.model
         encoder = ChatEncoder(load_tokenizer(model), template, args.loss_mask)

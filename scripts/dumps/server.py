@@ -2,6 +2,7 @@
 
 Used by the demo, the server tests and the benchmarks."""
 
+import ctypes
 import json
 import os
 import random
@@ -13,11 +14,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from scripts.paths import REPO_ROOT
 
 READY_LINE = "The server is fired up and ready to roll!"
+PR_SET_PDEATHSIG = 1
 
 
 def has_gpu() -> bool:
@@ -73,19 +75,43 @@ class ServerFailed(AssertionError):
     pass
 
 
+# The memory sizes of the tests' servers: small, so that they fit a CI runner.
+SMALL_SIZES = ["--max-total-tokens", "16384", "--mem-fraction-static", "0.5"]
+
+
+def die_with_parent() -> None:
+    # A server a command started must not outlive it: a SIGKILLed run followed by a rerun
+    # would otherwise race the old server's in-flight requests into the manifest.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class Server:
-    def __init__(self, model: Path, log_path: Path, env: Dict[str, str], extra_args: List[str] = (),
-                 launcher: List[str] = ()):
-        """`launcher`: a command the server runs under (a profiler), which then leads its process group."""
+    def __init__(self, model: Path, log_path: Path, env: Dict[str, str], extra_args: Sequence[str] = (),
+                 launcher: Sequence[str] = (), defaults: Optional[Sequence[str]] = None,
+                 cwd: Optional[Path] = REPO_ROOT, tied_to_parent: bool = False):
+        """`launcher`: a command the server runs under (a profiler), which then leads its process group.
+        `defaults`: the arguments before `extra_args` (default: the tests' sizes and device flags).
+        `cwd`: where it runs (None: here). `tied_to_parent`: it dies with the process that started it."""
         self.port = free_port()
         self.log_path = log_path
+        if defaults is None:
+            defaults = [*SMALL_SIZES, *device_flags()]
         self.args = [
             *launcher, sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
-            "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-total-tokens", "16384", "--mem-fraction-static", "0.5", *device_flags(), *extra_args,
+            "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port), *defaults, *extra_args,
         ]
         self.env = env
+        self.cwd = cwd
+        self.tied_to_parent = tied_to_parent
         self.process: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def exited(self) -> Optional[int]:
+        """Its exit code once it has exited, else None."""
+        return self.process.poll()
 
     @property
     def dump_dir(self) -> Optional[Path]:
@@ -96,7 +122,8 @@ class Server:
     def start(self) -> "Server":
         self.log_file = open(self.log_path, "w")
         self.process = subprocess.Popen(self.args, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT,
-                                        start_new_session=True, cwd=REPO_ROOT)
+                                        start_new_session=True, cwd=self.cwd,
+                                        preexec_fn=die_with_parent if self.tied_to_parent else None)
         return self
 
     def log(self) -> str:
@@ -121,7 +148,7 @@ class Server:
             raise ServerFailed(f"server still running after {timeout:.0f}s:\n{self.log()[-6000:]}")
 
     def post(self, path: str, body: dict, timeout: float = 300) -> dict:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+        request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout) as response:
             payload = response.read()
@@ -181,20 +208,21 @@ class Server:
             pass
 
 
-def manifest_lines(dump_dir: Path) -> int:
-    """How many lines the dump's manifests hold together, without parsing them (cheap to poll)."""
-    from scripts.dump_format import manifest_paths
-
-    return sum(Path(path).read_bytes().count(b"\n") for path in manifest_paths(str(dump_dir)))
+def wait_for_entries(follower, done: Callable[[List[dict]], bool], timeout: float = 60,
+                     interval: float = 0.01) -> List[dict]:
+    """Poll a ManifestFollower (each poll reads only what was appended) until
+    `done(follower.entries)` holds or `timeout` seconds pass (the writer runs behind the
+    forward); every entry seen so far, either way."""
+    deadline = time.monotonic() + timeout
+    follower.poll()
+    while not done(follower.entries) and time.monotonic() < deadline:
+        time.sleep(interval)
+        follower.poll()
+    return follower.entries
 
 
 def wait_for_manifest(dump_dir: Path, count: int, timeout: float = 60) -> List[dict]:
-    """The manifest once it has `count` lines (the writer runs behind the forward)."""
-    from scripts.dump_format import read_manifest
+    """The manifest once it has `count` entries."""
+    from scripts.dump_format import ManifestFollower
 
-    deadline = time.monotonic() + timeout
-    while True:
-        entries = read_manifest(str(dump_dir))
-        if len(entries) >= count or time.monotonic() > deadline:
-            return entries
-        time.sleep(0.2)
+    return wait_for_entries(ManifestFollower(str(dump_dir)), lambda entries: len(entries) >= count, timeout)

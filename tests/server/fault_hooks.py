@@ -2,8 +2,14 @@
 
 `stall_writer`: a disk that stalls. While the gate file exists, the dump's writer thread
 waits before writing the job it has taken from its queue (it first creates
-`<gate>.holding`, so a test knows the writer holds a job). The hook itself does nothing;
-the factory is the way into the scheduler process.
+`<gate>.holding`, so a test knows the writer holds a job), and a submit that finds the
+queue full first writes the request's id to `<gate>.full`, so a test knows the scheduler is
+about to wait for room (under `block`) or drop it (under `drop`).
+
+`report_pid`: writes the scheduler's process id to a file, so a test can set that process's
+limits from outside it (`resource.prlimit`), while it serves.
+
+The hooks themselves do nothing; the factories are the way into the scheduler process.
 """
 
 import time
@@ -22,7 +28,15 @@ def stall_writer(config):
             time.sleep(0.01)
         return write_file(self, job)
 
+    submit = DumpWriter.submit
+
+    def submit_noting_a_full_queue(self, request, chunks):
+        if self.queue.full():
+            gate.with_name(gate.name + ".full").write_text(request.rid)
+        return submit(self, request, chunks)
+
     DumpWriter.write_file = stalled_write_file
+    DumpWriter.submit = submit_noting_a_full_queue
     return lambda module, inputs, output: None
 
 
@@ -31,3 +45,17 @@ def stall_writer_spec(gate: Path) -> str:
 
     return json.dumps([{"name": "stall_writer", "target_modules": ["model.norm"],
                         "hook_factory": "tests.server.fault_hooks:stall_writer", "config": {"gate": str(gate)}}])
+
+
+def report_pid(config):
+    import os
+
+    Path(config["pid_file"]).write_text(str(os.getpid()))
+    return lambda module, inputs, output: None
+
+
+def report_pid_spec(pid_file: Path) -> str:
+    import json
+
+    return json.dumps([{"name": "report_pid", "target_modules": ["model.norm"],
+                        "hook_factory": "tests.server.fault_hooks:report_pid", "config": {"pid_file": str(pid_file)}}])

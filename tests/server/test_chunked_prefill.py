@@ -114,6 +114,7 @@ def test_abort_in_the_middle_of_a_chunked_prefill(server):
     wait_for_chunks(server, first_forward, 3)
     server.post("/abort_request", {"rid": rid})
     thread.join(120)
+    assert not thread.is_alive(), "the aborted request not answered within 120 s"
     print(f"aborted request returned after {time.monotonic() - start:.1f}s: {outcome}")
     left_after, stats = assert_left_without_trace(server, rid, log_before)
     print(f"left after {left_after} tokens; {stats}")
@@ -133,8 +134,11 @@ def test_client_gone_in_the_middle_of_a_chunked_prefill(server):
     connection.close()
     # The dump lets go of a request's chunks at the first prefill batch that does not
     # continue it: 0.5.9 runs one by itself after the abort, 0.5.14 only with the next
-    # request, which assert_left_without_trace sends.
-    time.sleep(2)
+    # request, which assert_left_without_trace sends. That request must reach the scheduler
+    # after the abort: the tokenizer manager sends the abort, then logs this line, and sends
+    # every request to the scheduler down the same socket, in order.
+    wait_until(lambda: f"Abort request obj.rid={rid!r}" in server.log()[len(log_before):], 60,
+               "the server to notice the client is gone")
     left_after, stats = assert_left_without_trace(server, rid, log_before)
     print(f"left after {left_after} tokens; {stats}")
 

@@ -4,9 +4,8 @@ visible, and every manifest line names a complete file that loads
 (scripts/inspect_dump.summarise). Hostile request ids never name a file."""
 
 import json
-import os
+import resource
 import shutil
-import subprocess
 import urllib.error
 import urllib.request
 import uuid
@@ -17,10 +16,9 @@ import pytest
 
 from scripts.dump_format import MANIFEST_NAME, TEMP_PREFIX, read_manifest
 from tests.server.dump_checks import RELEASE, dump_stats, generate_body, random_prompts, wait_until
+from tests.server.fault_hooks import report_pid_spec
 from scripts.dumps.inspect_dump import summarise
 from scripts.dumps.server import Server, runtime_env, wait_for_manifest
-
-PAGE = 4096
 
 
 def assert_consistent(dump_dir: Path):
@@ -47,55 +45,54 @@ def error_count(server):
 
 # --- a full disk --------------------------------------------------------------------
 
-
-@pytest.fixture
-def small_disk(tmp_path):
-    mount_point = tmp_path / "small-disk"
-    mount_point.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
-                           capture_output=True, text=True)
-    if mount.returncode != 0:
-        pytest.skip(f"the full-disk test mounts a 256 KiB tmpfs, which needs root (CAP_SYS_ADMIN): "
-                    f"{mount.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=True)
+# The largest file the scheduler may write while the disk is "full": the kernel refuses a
+# write past it (EFBIG), as it refuses one past the end of a full disk (ENOSPC). 1 MiB is
+# well above the server's log (tens of kB; the scheduler writes it too, and is held to the
+# same limit) and above a 60-token file (124 kB), well below a 600-token one (1.24 MB).
+FILE_SIZE_LIMIT = 1 << 20
 
 
-def free_pages(path: Path) -> int:
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize // PAGE
-
-
-def test_full_disk(model_l3, tmp_path, small_disk):
-    dump_dir = small_disk / "dump"
-    prompts = iter(random_prompts([60, 100, 20, 20, 20], seed=10))
-    with Server(model_l3, tmp_path / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir))) as server:
+def test_full_disk(model_l3, tmp_path):
+    """A disk that refuses to grow a file: RLIMIT_FSIZE on the scheduler process, which
+    holds the dump's writer threads, set and lifted from the test with `resource.prlimit`
+    while the server serves. The kernel then fails the dump's own write() (EFBIG, errno 27)
+    as a full disk fails it (ENOSPC, errno 28), through the same error path. A size-limited
+    tmpfs or a loop-mounted filesystem would give a real ENOSPC, but mounting needs
+    CAP_SYS_ADMIN, which root in a container need not have (the tmpfs version of this test
+    skipped in CI), nor may it create a user namespace to mount in; lowering a resource
+    limit needs no privilege and holds for root as for any user (no capability exempts a
+    process from its soft limit). Python ignores SIGXFSZ, so the write fails instead of the
+    process being killed."""
+    dump_dir, pid_file = tmp_path / "dump", tmp_path / "scheduler.pid"
+    prompts = iter(random_prompts([60, 600, 20, 20, 20], seed=10))
+    with Server(model_l3, tmp_path / "server.log", runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir)),
+                ["--forward-hooks", report_pid_spec(pid_file)]) as server:
         server.wait_ready()
-        # 60 tokens (124 kB) fit; 100 more (206 kB) do not: the file's own write fails.
+        scheduler = int(pid_file.read_text())
+        assert len(server.log().encode()) < FILE_SIZE_LIMIT // 4, "the log would run into the limit"
+        no_limit = resource.prlimit(scheduler, resource.RLIMIT_FSIZE)
+        resource.prlimit(scheduler, resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, no_limit[1]))
+        # 60 tokens (124 kB) fit; 600 (1.24 MB) do not: the file's own write fails.
         serve(server, [("fits-0", next(prompts)), ("too-big", next(prompts)), ("fits-1", next(prompts))])
         wait_for_manifest(dump_dir, 2)
         wait_until(lambda: error_count(server) == 1, 30, "the error to be counted")
         assert rids(dump_dir) == ["fits-0", "fits-1"]
-        assert "hidden states dump: request 'too-big' not written: OSError(28, 'No space left on device')" \
+        assert "hidden states dump: request 'too-big' not written: OSError(27, 'File too large')" \
             in server.log()
 
-        # The file fits exactly and its manifest line does not (the manifest is padded to a
-        # page boundary with blank lines, which readers skip): the file is removed and the
-        # manifest is left without a part of a line.
+        # The file fits and its manifest line does not (the manifest is padded to the limit
+        # with blank lines, which readers skip): the file is removed and the manifest is left
+        # without a part of a line.
         manifest = dump_dir / MANIFEST_NAME
         with open(manifest, "ab") as f:
-            f.write(b"\n" * (PAGE - manifest.stat().st_size % PAGE))
-        file_pages = -(-(dump_dir / read_manifest(str(dump_dir))[-1]["file"]).stat().st_size // PAGE)
-        filler = small_disk / "filler"
-        filler.write_bytes(b"\0" * (free_pages(small_disk) - file_pages) * PAGE)
-        assert free_pages(small_disk) == file_pages
-        serve(server, [("fits-2", next(prompts))])  # as long as fits-1, and an rid as long
+            f.write(b"\n" * (FILE_SIZE_LIMIT - manifest.stat().st_size))
+        serve(server, [("fits-2", next(prompts))])
         wait_until(lambda: error_count(server) == 2, 30, "the error to be counted")
-        assert "hidden states dump: request 'fits-2' not written: OSError(28, 'No space left on device')" \
+        assert "hidden states dump: request 'fits-2' not written: OSError(27, 'File too large')" \
             in server.log()
-        assert manifest.read_bytes().endswith(b"\n")
+        assert manifest.stat().st_size == FILE_SIZE_LIMIT and manifest.read_bytes().endswith(b"\n")
 
-        filler.unlink()
+        resource.prlimit(scheduler, resource.RLIMIT_FSIZE, no_limit)  # space freed
         serve(server, [("after-full", next(prompts))])
         wait_for_manifest(dump_dir, 3)
         assert rids(dump_dir) == ["fits-0", "fits-1", "after-full"]

@@ -4,6 +4,7 @@ then a rerun: every valid sample dumped exactly once, every bad record rejected 
 loss masks equal to the assistant's tokens found without the implementation, both chat
 template variants, and the exports read back by SpecForge's and speculators' own readers."""
 
+import http.server
 import json
 import os
 import random
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from scripts.dump_format import load_dump, read_manifest
-from scripts.dumps import export_specforge, export_speculators
+from scripts.dumps import export_specforge, export_speculators, generate
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, mask_from_runs, mask_runs, read_lines
 from scripts.dumps.server import Server, runtime_env
 from scripts.dumps.tiny_tokenizer import ASSISTANT, CORPUS, EOS, write_tokenizer
@@ -265,6 +267,38 @@ def test_a_template_without_a_mask_is_refused(dataset, model_l3, tmp_path):
     assert result.returncode == 2
     assert "--loss-mask all" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "dump" / SAMPLES_NAME).exists()
+
+
+class InfoWithoutModel(http.server.BaseHTTPRequestHandler):
+    """A server whose /server_info names no model_path."""
+
+    def do_GET(self):
+        body = json.dumps({"max_req_input_len": 4096}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_without_model_path_is_a_clear_error(tmp_path, capsys):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), InfoWithoutModel)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": "hello"}]}) + "\n")
+    try:
+        assert generate.main(["--dataset", str(dataset), "--out", str(tmp_path / "dump"), "--server", url]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert f"--server {url}: its /server_info (or /get_server_info) names no model_path" in err
+    assert "Traceback" not in err
 
 
 def test_mask_runs_round_trip():

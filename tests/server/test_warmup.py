@@ -165,3 +165,44 @@ def test_invalid_settings_stop_the_server_at_startup(model_l3, tmp_path, variabl
     assert code != 0
     assert re.search(message, log), log[-3000:]
     assert "ready to roll" not in log
+
+
+def series_patch(concern: str) -> Path:
+    """This release's patch for `concern` (its name after the number)."""
+    series = REPO_ROOT / "patches" / f"v{os.environ['SGLANG_VERSION']}"
+    names = [name for name in (series / "series").read_text().split() if name.split("-", 1)[1] == f"{concern}.patch"]
+    if not names:
+        pytest.skip(f"SGLang {os.environ['SGLANG_VERSION']}'s series has no patch for {concern}")
+    return series / names[0]
+
+
+@pytest.fixture
+def tree_without(request, tmp_path):
+    """A scratch copy of the patched checkout with one patch of the series taken out."""
+    patch = series_patch(request.param)
+    checkout = Path(os.environ["SGLANG_CHECKOUT"])
+    tree = tmp_path / "without"
+    subprocess.run(["git", "-C", checkout, "worktree", "add", "--detach", "-q", tree, "HEAD"], check=True)
+    subprocess.run(["git", "-C", tree, "apply", "-R", patch], check=True)
+    yield tree
+    subprocess.run(["git", "-C", checkout, "worktree", "remove", "--force", tree], check=True)
+
+
+@pytest.mark.parametrize(
+    "tree_without",
+    ["prefill-cuda-graph-runs-dumped-prefills-eagerly", "drain-the-dump-before-a-scheduler-process-goes"],
+    indirect=True,
+)
+def test_a_series_without_a_patch_the_dump_relies_on_refuses_to_start(model_l3, tree_without, tmp_path, request):
+    """A port that skipped one of these patches would lose dumps silently (a prefill replayed
+    from a CUDA graph runs no hook; a stopping server kills the writer's queue): with
+    dumping on, the server must refuse to start, naming the patch. The whole series with
+    dumping on serves in the other tests here, so the missing patch is what it refuses."""
+    concern = request.node.callspec.params["tree_without"]
+    env = runtime_env(tree=tree_without, SGLANG_HS_DUMP_DIR=str(tmp_path / "dump"))
+    with Server(model_l3, tmp_path / "server.log", env) as server:
+        code = server.wait_exit(timeout=240)
+        log = server.log()
+    assert code != 0
+    assert re.search(rf"lacks series patches the hidden states dump relies on: {concern} ", log), log[-3000:]
+    assert "ready to roll" not in log

@@ -42,8 +42,13 @@ def test_drop_policy_never_waits_and_counts_every_drop(model_l3, tmp_path):
 
         (tmp_path / "gate").unlink()
         wait_for_manifest(server.dump_dir, 2)
-        time.sleep(1)
-        assert [e["rid"] for e in read_manifest(str(server.dump_dir))] == ["drop-0", "drop-1"]
+        # A dropped request could only be listed before a request submitted after it (one
+        # writer thread lists in submission order): once this one is listed, none can come.
+        sentinel = random_prompts([50], seed=80)[0]
+        server.post("/generate", generate_body(sentinel, "drop-sentinel", 2), timeout=60)
+        manifest = wait_for_manifest(server.dump_dir, 3)
+        assert [e["rid"] for e in manifest] == ["drop-0", "drop-1", "drop-sentinel"]
+        assert dump_stats(server.log())["dropped"] == 6
         print(f"7 requests served in {served_in:.1f}s with the writer stalled")
 
 
@@ -54,12 +59,17 @@ def test_block_policy_makes_serving_wait_and_loses_nothing(model_l3, tmp_path):
         server.post("/generate", generate_body(prompts[1], "block-1", 2), timeout=60)  # queued
         third = threading.Thread(target=server.post, args=("/generate", generate_body(prompts[2], "block-2", 2)))
         third.start()
-        third.join(5)
-        assert third.is_alive(), "the scheduler went on although the queue was full"
+        # The scheduler has found the queue full with block-2 in hand: it cannot be answered
+        # until the writer, held by the gate, takes a job.
+        full = tmp_path / "gate.full"
+        wait_until(lambda: full.exists() and full.read_text() == "block-2", 60,
+                   "the scheduler to find the queue full")
+        assert third.is_alive(), "block-2 was answered although the queue was full"
+        assert read_manifest(str(server.dump_dir)) == []
 
         (tmp_path / "gate").unlink()
         third.join(60)
-        assert not third.is_alive()
+        assert not third.is_alive(), "block-2 not answered 60 s after the writer was let go"
         manifest = wait_for_manifest(server.dump_dir, 3)
         assert [e["rid"] for e in manifest] == ["block-0", "block-1", "block-2"]
         stats = dump_stats(server.log())

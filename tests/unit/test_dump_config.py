@@ -1,7 +1,10 @@
 """The dump module's configuration: layer ids, which requests are dumped, the dump
 directory, the server configurations it refuses, and the writer threads' default."""
 
+import ctypes
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -181,14 +184,46 @@ def test_check_dump_dir_refuses_a_path_no_one_can_create():
         check_dump_dir("/proc/hidden-states-dump")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only directories")
+CAP_DAC_OVERRIDE = 1  # linux/capability.h
+PR_CAPBSET_DROP = 24  # linux/prctl.h
+
+
+def without_dac_override():
+    """Run in the child between fork and exec: drop CAP_DAC_OVERRIDE from the bounding set,
+    so the program it executes as root lacks it and obeys permission bits (what a non-root
+    process does anyway). Needs CAP_SETPCAP, which root holds also in a container."""
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
+
+
+def check_dump_dir_without_dac_override(path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from sglang.srt.hidden_states_dump.config import check_dump_dir; check_dump_dir(sys.argv[1])",
+         str(path)],
+        env=dict(os.environ, PYTHONPATH=os.environ["SGLANG_CHECKOUT"]),
+        preexec_fn=without_dac_override, capture_output=True, text=True, timeout=120,
+    )
+
+
 def test_check_dump_dir_refuses_a_read_only_directory(tmp_path):
+    """Root writes to a read-only directory by CAP_DAC_OVERRIDE: the check runs in a child
+    that does not hold it, as root (CI) or not. The same child accepts the directory once it
+    is writable, so the refusal is the directory's mode and nothing else."""
     tmp_path.chmod(0o500)
     try:
-        with pytest.raises(ValueError, match="not a writable directory"):
-            check_dump_dir(str(tmp_path))
+        refused = check_dump_dir_without_dac_override(tmp_path)
     finally:
         tmp_path.chmod(0o700)
+    assert refused.returncode != 0
+    assert "is not a writable directory" in refused.stderr and "Permission denied" in refused.stderr, \
+        refused.stderr[-3000:]
+    accepted = check_dump_dir_without_dac_override(tmp_path)
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert os.listdir(tmp_path) == []
 
 
 def server_args(**overrides):
