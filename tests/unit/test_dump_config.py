@@ -272,3 +272,20 @@ def test_writer_threads_unset_come_from_the_hosts_cores(dump_dir, monkeypatch, c
     with caplog.at_level("INFO", logger="sglang.srt.hidden_states_dump"):
         start_dumper(dump_dir, [1])
     assert f"writer_threads={threads}" in caplog.text
+
+
+# --- the patch markers ----------------------------------------------------------
+
+
+def test_the_whole_series_leaves_every_marker_the_dump_checks():
+    from sglang.srt.hidden_states_dump.startup_checks import check_patches
+
+    check_patches()
+
+
+def test_a_marker_no_module_calls_names_its_patch():
+    from sglang.srt.hidden_states_dump.startup_checks import PATCH_MARKERS, PatchMarker, check_patches
+
+    absent = PatchMarker("some-patch", PATCH_MARKERS[0].modules, "a_helper_nobody_calls")
+    with pytest.raises(ValueError, match=r"lacks series patches the hidden states dump relies on: some-patch \(no call to a_helper_nobody_calls"):
+        check_patches((*PATCH_MARKERS, absent))

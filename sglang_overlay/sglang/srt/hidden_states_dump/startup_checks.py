@@ -43,12 +43,12 @@ PATCH_MARKERS = (
         feature_module="sglang.srt.model_executor.runner.prefill_cuda_graph_runner",
     ),
     PatchMarker(
-        "drain-the-dump-before-killing-the-server-processes",
+        "drain-the-dump-before-a-scheduler-process-goes",
         ("sglang.srt.utils.common",),
         "drain_before_kill",
     ),
     PatchMarker(
-        "drain-the-dump-before-killing-the-server-processes",
+        "drain-the-dump-before-a-scheduler-process-goes",
         ("sglang.srt.managers.scheduler",),
         "drain_writers_at_exit",
     ),
