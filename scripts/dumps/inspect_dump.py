@@ -8,6 +8,7 @@ server killed between the rename and the manifest line) are listed but are not e
 """
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ class Summary:
     layers: set = field(default_factory=set)
     hidden_sizes: set = field(default_factory=set)
     dtypes: set = field(default_factory=set)
+    conventions: set = field(default_factory=set)
+    draft_layer_ids: set = field(default_factory=set)  # JSON of each entry's candidate draft configs
     problems: List[str] = field(default_factory=list)
     unlisted: List[str] = field(default_factory=list)
 
@@ -63,6 +66,8 @@ def summarise(dump_dir: Path) -> Summary:
         summary.layers.add(tuple(entry["layers"]))
         summary.hidden_sizes.add(entry["hidden_size"])
         summary.dtypes.add(entry["dtype"])
+        summary.conventions.add(entry.get("layer_convention", "-"))
+        summary.draft_layer_ids.add(json.dumps(entry.get("eagle3_draft_layer_ids", [])))
         path = dump_dir / entry["file"]
         summary.bytes += path.stat().st_size if path.is_file() else 0
         summary.problems += check_entry(dump_dir, entry)
@@ -72,6 +77,13 @@ def summarise(dump_dir: Path) -> Summary:
     return summary
 
 
+def draft_configs(candidates_json: str) -> str:
+    candidates = json.loads(candidates_json)
+    if not candidates:
+        return "none does (no draft config of this release is fed exactly these layers)"
+    return " or ".join("unset (SGLang's default)" if ids is None else json.dumps(ids) for ids in candidates)
+
+
 def report(dump_dir: Path, summary: Summary) -> str:
     lines = [
         f"dump: {dump_dir}",
@@ -79,6 +91,9 @@ def report(dump_dir: Path, summary: Summary) -> str:
         f"layers: {', '.join(str(list(l)) for l in sorted(summary.layers)) or '-'}  "
         f"hidden_size: {', '.join(map(str, sorted(summary.hidden_sizes))) or '-'}  "
         f"dtype: {', '.join(sorted(summary.dtypes)) or '-'}",
+        *(f"layer ids mean: {convention}" for convention in sorted(summary.conventions)),
+        *(f"an SGLang EAGLE-3 draft config of this release is fed these layers (below L, ascending) "
+          f"when its eagle_aux_hidden_state_layer_ids is: {draft_configs(ids)}" for ids in sorted(summary.draft_layer_ids)),
         f"files valid: {summary.requests - len({p.split(':')[0] for p in summary.problems})} of {summary.requests}",
     ]
     lines += [f"PROBLEM {p}" for p in summary.problems]

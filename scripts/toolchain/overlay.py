@@ -7,6 +7,7 @@ generated from that commit holds the file exactly as the overlay has it. Until t
 checkout is stale: verify reports its files, and apply refuses it.
 """
 
+import posixpath
 from pathlib import Path
 from typing import Dict, List
 
@@ -58,8 +59,10 @@ def stale_in_tree(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
 
 def sync_checkout(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
     """Amend the commit that adds each overlay file so that it holds the overlay's bytes;
-    returns the paths that changed. Every overlay file needs a commit that adds it, and commits
-    after that one must not touch it; otherwise nothing is written."""
+    returns the paths that changed. A file new to the overlay goes to the one commit that adds
+    the other files of its folder (a module added to the dump's package joins the patch that
+    adds the package). Every other overlay file needs a commit that adds it, and commits after
+    that one must not touch it; otherwise nothing is written."""
     repo = git.Repo(tree.root)
     prefix = tree.package_root.relative_to(tree.root)
     # Each patch commit's changed paths, and whether it adds them, read once.
@@ -68,6 +71,11 @@ def sync_checkout(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
     for path in overlay:
         repo_path = (prefix / path).as_posix()
         touching = [(commit, adds) for commit, adds in changes if repo_path in adds]
+        if not touching:
+            siblings = _commits_adding_into(changes, posixpath.dirname(repo_path))
+            if len(siblings) == 1:
+                adding[path] = siblings[0]
+                continue
         if not touching or not touching[0][1][repo_path]:
             raise ToolError(
                 f"{OVERLAY_DIR}/{path} is a file the series adds, but no commit of {tree.root} adds "
@@ -86,7 +94,7 @@ def sync_checkout(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
     for path, data in overlay.items():
         repo_path = (prefix / path).as_posix()
         full = tree.root / repo_path
-        if full.read_bytes() == data:
+        if full.is_file() and full.read_bytes() == data:
             continue
         full.write_bytes(data)
         repo.index.add([repo_path])
@@ -97,6 +105,12 @@ def sync_checkout(tree: Tree, overlay: Dict[str, bytes]) -> List[str]:
                                          GIT_COMMITTER_EMAIL=AUTHOR.email):
             repo.git.rebase("--interactive", "--autosquash", "--quiet", UPSTREAM_TAG)
     return changed
+
+
+def _commits_adding_into(changes, folder: str) -> List[git.Commit]:
+    """The commits that add a file directly inside `folder`."""
+    return [commit for commit, adds in changes
+            if any(added and posixpath.dirname(path) == folder for path, added in adds.items())]
 
 
 def _changes(commit: git.Commit) -> Dict[str, bool]:

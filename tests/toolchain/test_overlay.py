@@ -1,5 +1,6 @@
 """sglang_overlay/: one source for every file a series adds, carried into each series by refresh."""
 
+import posixpath
 import re
 
 import git
@@ -166,3 +167,22 @@ def test_applying_a_series_older_than_the_overlay_stops_before_sglang_runs(packa
         operations.apply(sglang_dir=package_tree.root, lock=lock)
     inspection = operations.verify(sglang_dir=package_tree.root, lock=lock)
     assert (inspection.state.kind, inspection.stale) == ("applied", [DUMP_MODULE])
+
+
+def test_a_module_new_to_the_overlay_joins_the_commit_that_adds_its_folder(patched, project, release, cli):
+    """A module added beside one the series already adds (its package) needs no commit of
+    its own: refresh puts it into the patch that adds that folder's files."""
+    write_overlay(project, (patched.package_root / DUMP_MODULE).read_bytes())
+    sibling = posixpath.join(posixpath.dirname(DUMP_MODULE), "hidden_state_format.py")
+    write_overlay(project, b"FORMAT = 1\n", sibling)
+
+    code, _, err = cli("refresh-patches")
+
+    assert code == 0, err
+    patches = load_series(release.series_dir)
+    assert added_files(patches)[sibling] == b"FORMAT = 1\n"
+    def adding(path):
+        return [patch.name for patch in patches for file in patch.patchset if file.path == path and file.is_added_file]
+
+    assert adding(sibling) == adding(DUMP_MODULE) == [PATCH_NAMES[0]]
+    assert cli("verify")[0] == 0

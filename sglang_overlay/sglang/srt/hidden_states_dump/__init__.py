@@ -12,6 +12,7 @@ The modules, each one concern:
                     (imports nothing from sglang)
     config          the settings, read from the environment once
     startup_checks  the server options the dump supports, and the series patches it needs
+    eagle3_layers   the ids an EAGLE-3 draft config of this release names to be fed them
     requests        which requests of a batch are dumped (the scheduler's hooks)
     capture         the model's hook on the scheduler thread: rows off the device
     host_buffers    host memory for the rows, reused across forwards

@@ -14,6 +14,10 @@ import torch
 
 from sglang.srt.hidden_states_dump import lifecycle
 from sglang.srt.hidden_states_dump.config import DumpConfig, check_dump_dir
+from sglang.srt.hidden_states_dump.eagle3_layers import (
+    draft_layer_ids,
+    eagle3_model_class,
+)
 from sglang.srt.hidden_states_dump.format import (
     DumpCounters,
     DumpTimings,
@@ -38,7 +42,7 @@ from sglang.version import __version__
 logger = logging.getLogger(__name__)
 
 # The dump's own revision within the series, bumped when what it writes or refuses changes.
-SERIES_REVISION = 4
+SERIES_REVISION = 5
 SERIES_VERSION = f"{__version__}-{SERIES_REVISION}"
 
 
@@ -116,7 +120,8 @@ class HiddenStatesDumper:
         logger.info(
             f"hidden states dump on: dir={config.dump_dir} manifest={manifest} "
             f"layers={self.layer_ids} (of L={metadata['num_layers']}) "
-            f"encoding={metadata['encoding']} writer_threads={config.writer_threads}{eager}"
+            f"encoding={metadata['encoding']} writer_threads={config.writer_threads} "
+            f"eagle3_draft_layer_ids={metadata['eagle3_draft_layer_ids']}{eager}"
         )
 
     @classmethod
@@ -141,6 +146,10 @@ class HiddenStatesDumper:
             series_version=SERIES_VERSION,
             fp8=config.dtype == "fp8",
             model_dtype=torch.get_default_dtype(),
+            eagle3_draft_layer_ids=draft_layer_ids(
+                eagle3_model_class(), layer_ids, num_layers
+            ),
+            vocab_size=getattr(model_config, "vocab_size", None),
         )
         is_writer = attn_tp_rank == 0 and last_pp_stage
         return cls(config, metadata, is_writer, dp_rank)

@@ -34,6 +34,11 @@ FORMAT_VERSION = "1"
 MANIFEST_NAME = "manifest.jsonl"  # data-parallel rank 0's; rank k > 0 writes manifest-dp<k>
 MANIFEST_FILE = re.compile(r"^manifest(?:-dp([1-9][0-9]*))?\.jsonl$")
 TEMP_PREFIX = ".partial-"
+# What a layer id means, in every file's metadata and every manifest line.
+LAYER_CONVENTION = (
+    "id i: the residual stream entering decoder layer i (0: the embedding output; "
+    "L = num_layers: the last layer's output before the final norm)"
+)
 PLAIN_ENCODING = "plain"
 FP8_ENCODING = "fp8_e4m3_row_scaled"
 FP8_MAX = 448.0  # the largest float8 e4m3 (fn) value
@@ -64,12 +69,20 @@ def file_metadata(
     series_version: str,
     fp8: bool = False,
     model_dtype: torch.dtype = torch.bfloat16,
+    eagle3_draft_layer_ids: Optional[List[Optional[List[int]]]] = None,
+    vocab_size: Optional[int] = None,
 ) -> Dict[str, str]:
-    """The metadata every file of a dump carries (the writer adds each file's rid). fp8
-    files also name the model dtype that load_dump dequantizes to."""
+    """The metadata every file of a dump carries (the writer adds each file's rid).
+    `eagle3_draft_layer_ids`: each EAGLE-3 draft config (its
+    eagle_aux_hidden_state_layer_ids, or None: it names none) that this SGLang release
+    feeds exactly the dumped layers below L, in ascending order; empty when none does.
+    fp8 files also name the model dtype that load_dump dequantizes to."""
     metadata = {
         "format": FORMAT_VERSION,
         "layer_ids": json.dumps(layer_ids),
+        "layer_convention": LAYER_CONVENTION,
+        "eagle3_draft_layer_ids": json.dumps(eagle3_draft_layer_ids or []),
+        "vocab_size": json.dumps(vocab_size),
         "num_layers": str(num_layers),
         "model_path": str(model_path),
         "sglang_version": sglang_version,
@@ -127,16 +140,18 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def manifest_entry(
-    rid: str, file: str, num_tokens: int, layer_ids: List[int], hidden_states: torch.Tensor
+    rid: str, file: str, num_tokens: int, metadata: Dict[str, str], hidden_states: torch.Tensor
 ) -> dict:
     """The manifest line of one file (read back by read_manifest)."""
     return {
         "rid": rid,
         "file": file,
         "num_tokens": num_tokens,
-        "layers": list(layer_ids),
+        "layers": json.loads(metadata["layer_ids"]),
         "hidden_size": hidden_states.shape[-1],
         "dtype": dtype_name(hidden_states.dtype),
+        "layer_convention": metadata.get("layer_convention", LAYER_CONVENTION),
+        "eagle3_draft_layer_ids": json.loads(metadata.get("eagle3_draft_layer_ids", "[]")),
     }
 
 
@@ -217,6 +232,15 @@ class DumpRecord:
     @property
     def layer_ids(self) -> List[int]:
         return json.loads(self.metadata["layer_ids"])
+
+    @property
+    def eagle3_draft_layer_ids(self) -> List[Optional[List[int]]]:
+        """See file_metadata (empty in files written before the dump recorded it)."""
+        return json.loads(self.metadata.get("eagle3_draft_layer_ids", "[]"))
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.metadata["num_layers"])
 
     @property
     def encoding(self) -> str:

@@ -109,7 +109,6 @@ class DumpWriter:
     ):
         self.dump_dir = dump_dir
         self.manifest_name = manifest_name
-        self.layer_ids = json.loads(metadata["layer_ids"])
         self.on_full_queue = on_full_queue
         self.metadata = metadata
         self.stats = DumpStats()
@@ -224,7 +223,7 @@ class DumpWriter:
             remove_quietly(temp_path)
             raise
         entry = manifest_entry(
-            job.request.rid, name, num_tokens, self.layer_ids, parts["hidden_states"][0]
+            job.request.rid, name, num_tokens, self.metadata, parts["hidden_states"][0]
         )
         seconds = dict(copy_wait_ms=copied - started, write_ms=time.perf_counter() - copied)
         return WrittenFile(job.request.rid, name, f, json.dumps(entry), num_tokens, size, seconds)
