@@ -10,8 +10,15 @@ OUT_DIR/rows_{g}-{g+2000}/data_{idx}.ckpt (g = idx // 2000 * 2000), a torch.save
     input_ids         [T] long
     loss_mask         [T] long: the sample's loss mask
     hidden_state      [1, T, H]: the final normed state (the dump's last_hidden_state)
-    aux_hidden_state  [1, T, K*H]: the dump's hidden_states, the --layers (default: all
-                      dumped layers, in the dump's order) side by side
+    aux_hidden_state  [1, T, K*H]: the dump's hidden_states, the dumped layers below L in
+                      ascending order side by side: what SGLang feeds the draft (--layers
+                      other than those is refused)
+
+OUT_DIR/draft_config_values.json holds what the draft's config.json must say to be fed
+these layers by the SGLang release that wrote the dump: eagle_config's
+eagle_aux_hidden_state_layer_ids (computed by that release's own
+set_eagle3_layers_to_capture when dumping), target_hidden_size and vocab_size. With
+--draft-config FILE an existing draft config is checked against the dump first.
 
 The samples file (default DUMP_DIR/samples.jsonl, written by scripts.dumps.generate) names
 the samples and their loss masks; each sample's first file in the manifest is exported.
@@ -31,6 +38,7 @@ from typing import Dict, List, Optional
 import torch
 
 from scripts.dump_format import load_dump
+from scripts.dumps.draft_config import sglang_draft_values, write_values
 from scripts.dumps.samples import export_command, layer_columns, training_samples
 
 ROWS_PER_FOLDER = 2000
@@ -64,11 +72,16 @@ def save_atomically(tensors: Dict[str, torch.Tensor], path: Path) -> None:
 
 
 def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None,
-           layers: Optional[List[int]] = None) -> int:
+           layers: Optional[List[int]] = None, draft_config: Optional[Path] = None) -> int:
     """Write every sample in SpecForge's layout; the number written."""
     samples = training_samples(dump_dir, samples_file)
-    if layers is not None and samples:
-        layer_columns(samples[0][0]["layers"], layers)  # before anything is written
+    values = None
+    if samples:  # checked before anything is written
+        first = load_dump(str(dump_dir / samples[0][0]["file"]))
+        if layers is None:
+            layers = sorted(layer for layer in first.layer_ids if layer < first.num_layers)
+        layer_columns(first.layer_ids, layers)
+        values = sglang_draft_values(first, layers, draft_config)
     out_dir.mkdir(parents=True, exist_ok=True)
     index = []
     for idx, (entry, loss_mask) in enumerate(samples):
@@ -77,11 +90,14 @@ def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None,
         index.append(json.dumps({"idx": idx, "rid": entry["rid"], "file": entry["file"],
                                  "path": str(path.relative_to(out_dir))}))
     (out_dir / INDEX_NAME).write_text("".join(line + "\n" for line in index), encoding="utf-8")
+    if values is not None:
+        write_values(out_dir, values)
     return len(samples)
 
 
 def main(argv=None) -> int:
-    return export_command(argv, __doc__, export, "the dumped layer ids to export as aux_hidden_state, in order (default: all)",
+    return export_command(argv, __doc__, export, "the dumped layer ids to export as aux_hidden_state (default and only choice: "
+                          "those below L, ascending, as SGLang feeds them)",
                           "")
 
 

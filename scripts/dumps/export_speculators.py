@@ -17,6 +17,10 @@ ArrowDataset, its files through hs_connectors' FileTransfer):
 The last layer (id L in transformers' convention, `num_layers` of the dump) must therefore
 be among the dumped layers: dump with e.g. SGLANG_HS_DUMP_LAYERS=3,31,59,61 for 61 layers
 (generate --dump-layers). The dump's last_hidden_state is already normed and is not used.
+OUT_DIR/draft_config_values.json holds what the draft config must say in speculators'
+convention (id k: the output of decoder layer k, the dump's id k + 1): its
+eagle_aux_hidden_state_layer_ids, the final state it expects, target_hidden_size and
+vocab_size. With --draft-config FILE an existing draft config is checked first.
 Rows follow the samples file (default DUMP_DIR/samples.jsonl), masks from it, each sample's
 first file in the manifest; OUT_DIR/export.jsonl maps each row back to its rid. Files are
 written under temporary names and renamed.
@@ -31,6 +35,7 @@ from typing import List, Optional
 import torch
 
 from scripts.dump_format import load_dump
+from scripts.dumps.draft_config import speculators_values, write_values
 from scripts.dumps.samples import export_command, layer_columns, training_samples
 from scripts.toolchain.errors import USAGE, ToolError
 
@@ -57,7 +62,7 @@ def columns(layer_ids: List[int], num_layers: int, aux_layers: Optional[List[int
 
 
 def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None,
-           aux_layers: Optional[List[int]] = None) -> int:
+           aux_layers: Optional[List[int]] = None, draft_config: Optional[Path] = None) -> int:
     import datasets
     from safetensors.torch import save_file
 
@@ -67,6 +72,7 @@ def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None,
     first = load_dump(str(dump_dir / samples[0][0]["file"]))
     num_layers = int(first.metadata["num_layers"])
     picked = columns(first.layer_ids, num_layers, aux_layers)  # before anything is written
+    values = speculators_values(first, [first.layer_ids[i] for i in picked[:-1]], draft_config)
     (out_dir / HIDDEN_STATES_DIR).mkdir(parents=True, exist_ok=True)
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
     index = []
@@ -93,6 +99,7 @@ def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None,
     table.set_format(type="torch")
     table.save_to_disk(str(out_dir))
     (out_dir / INDEX_NAME).write_text("".join(line + "\n" for line in index), encoding="utf-8")
+    write_values(out_dir, values)
     return len(samples)
 
 

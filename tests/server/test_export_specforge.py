@@ -10,16 +10,22 @@ import torch
 from scripts.dump_format import load_dump, read_manifest
 from tests.server.dump_checks import generate_body, random_prompts
 from scripts.dumps import export_specforge
+from scripts.dumps.draft_config import VALUES_NAME
 from scripts.dumps.samples import SAMPLES_NAME, samples_line
 from scripts.dumps.server import Server, runtime_env, wait_for_manifest
 
 LENGTHS = [1, 17, 64, 130, 257]
+# Dumped in an order of our own, with L: the export takes those below L in ascending order,
+# the order SGLang feeds a draft (ids 0 and 2 are ones every release here can feed).
+DUMP_LAYERS = [2, 0, 3]
+FED = [0, 2]
 
 
 @pytest.fixture(scope="module")
 def dump(model_l3, tmp_path_factory):
     dump_dir = tmp_path_factory.mktemp("export") / "dump"
-    with Server(model_l3, dump_dir.with_name("server.log"), runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir))) as server:
+    env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_HS_DUMP_LAYERS=",".join(map(str, DUMP_LAYERS)))
+    with Server(model_l3, dump_dir.with_name("server.log"), env) as server:
         server.wait_ready()
         for i, prompt in enumerate(random_prompts(LENGTHS, seed=21)):
             server.post("/generate", generate_body(prompt, f"export-{i}", 2))
@@ -38,7 +44,8 @@ def test_round_trip(dump, tmp_path):
     for n, entry in enumerate(entries):
         record = load_dump(str(dump / entry["file"]))
         sample = torch.load(out / "rows_0-2000" / f"data_{n}.ckpt")
-        num_tokens, num_layers, hidden_size = record.hidden_states.shape
+        num_tokens, _, hidden_size = record.hidden_states.shape
+        num_layers = len(FED)
         assert sorted(sample) == ["aux_hidden_state", "hidden_state", "input_ids", "loss_mask"]
         assert sample["input_ids"].dtype == sample["loss_mask"].dtype == torch.long
         assert torch.equal(sample["input_ids"], record.token_ids)
@@ -47,9 +54,9 @@ def test_round_trip(dump, tmp_path):
         assert torch.equal(sample["hidden_state"][0], record.last_hidden_state)
         assert sample["aux_hidden_state"].shape == (1, num_tokens, num_layers * hidden_size)
         assert sample["aux_hidden_state"].dtype == record.hidden_states.dtype == torch.bfloat16
-        for k in range(num_layers):  # layers side by side, in the dump's order
+        for k, layer in enumerate(FED):  # layers side by side, ascending
             assert torch.equal(sample["aux_hidden_state"][0, :, k * hidden_size:(k + 1) * hidden_size],
-                               record.hidden_states[:, k])
+                               record.hidden_states[:, DUMP_LAYERS.index(layer)])
 
 
 def test_folders_of_2000(tmp_path):
@@ -94,7 +101,7 @@ def test_specforge_reads_the_export(dump, tmp_path):
         num_tokens = record.token_ids.numel()
         assert torch.equal(item["input_ids"][0], record.token_ids)
         assert torch.equal(item["target"][0], record.last_hidden_state)
-        assert torch.equal(item["hidden_state"][0], record.hidden_states.reshape(num_tokens, -1))
+        assert torch.equal(item["hidden_state"][0], fed(record).reshape(num_tokens, -1))
         assert item["loss_mask"][0].tolist() == [1] * (num_tokens - 1) + [0]  # SpecForge masks the last
 
     # Its manifest reader (SpecForge's newer data plane).
@@ -104,4 +111,50 @@ def test_specforge_reads_the_export(dump, tmp_path):
         path = ref.feature_store_uri.removeprefix("file://")
         features, record = load_feature_file(path), records[idx(path)]
         assert ref.num_tokens == record.token_ids.numel()
-        assert torch.equal(features["aux_hidden_state"][0], record.hidden_states.reshape(ref.num_tokens, -1))
+        assert torch.equal(features["aux_hidden_state"][0], fed(record).reshape(ref.num_tokens, -1))
+
+
+def fed(record):
+    return record.hidden_states[:, [DUMP_LAYERS.index(layer) for layer in FED]]
+
+
+def test_the_export_says_what_the_draft_config_must_name(dump, tmp_path):
+    """The ids come from the dump's metadata, which the server computed with the release's
+    own set_eagle3_layers_to_capture: a draft config naming them is fed FED."""
+    out = tmp_path / "out"
+    assert export_specforge.main([str(dump), str(out)]) == 0
+    values = json.loads((out / VALUES_NAME).read_text())
+    record = load_dump(str(dump / read_manifest(str(dump))[0]["file"]))
+    assert values["fed_layers"] == FED
+    assert [values["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == record.eagle3_draft_layer_ids[:1]
+    assert values["target_hidden_size"] == record.hidden_states.shape[-1]
+    assert values["vocab_size"] == json.loads((dump_model_config(record)).read_text())["vocab_size"]
+
+
+def dump_model_config(record):
+    from pathlib import Path
+
+    return Path(record.metadata["model_path"]) / "config.json"
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_a_draft_config_naming_other_layers_is_refused_before_anything_is_written(dump, tmp_path, capsys, shift):
+    record = load_dump(str(dump / read_manifest(str(dump))[0]["file"]))
+    right = record.eagle3_draft_layer_ids[0]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + shift for i in right]}}))
+
+    assert export_specforge.main([str(dump), str(tmp_path / "out"), "--draft-config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert f"A draft fed these layers names {json.dumps(right)}" in err
+    assert not (tmp_path / "out").exists()
+
+    # The control: the right ids pass.
+    config.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": right}}))
+    assert export_specforge.main([str(dump), str(tmp_path / "ok"), "--draft-config", str(config)]) == 0
+
+
+def test_layers_sglang_would_not_feed_in_that_order_are_refused(dump, tmp_path, capsys):
+    assert export_specforge.main([str(dump), str(tmp_path / "out"), "--layers", "2,0"]) == 1
+    assert "Export --layers 0,2" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -22,6 +22,7 @@ import torch
 
 from scripts.dump_format import load_dump, read_manifest
 from scripts.dumps import export_specforge, export_speculators, generate
+from scripts.dumps.draft_config import VALUES_NAME
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, mask_from_runs, mask_runs, read_lines
 from scripts.dumps.server import Server, runtime_env
 from scripts.dumps.tiny_tokenizer import ASSISTANT, CORPUS, EOS, write_tokenizer
@@ -153,13 +154,19 @@ def dataset(tmp_path_factory):
     return path, valid, bad
 
 
+# Layers an EAGLE-3 draft config can name on every release here (the 3-layer model's
+# default, [1, 2, 3], is fed to no draft of 0.5.23: ids [1, 2] become [2, 3]), and L.
+DUMP_LAYERS = "2,0,3"
+
+
 @pytest.fixture(scope="module")
 def killed_and_resumed(model_l3, dataset, tmp_path_factory):
     """The dump after: generate (its own server) SIGKILLed mid-run; a rerun against a
     separate server SIGKILLed mid-run; a rerun against a new server."""
     path, valid, bad = dataset
     out = tmp_path_factory.mktemp("generate") / "dump"
-    options = ["--dataset", path, "--out", out, "--max-length", MAX_LENGTH, "--concurrency", 1]
+    options = ["--dataset", path, "--out", out, "--max-length", MAX_LENGTH, "--concurrency", 1,
+               "--dump-layers", DUMP_LAYERS]
 
     command = start_generate(*options, "--model", model_l3)
     wait_for_samples(out, 8, command)
@@ -172,7 +179,7 @@ def killed_and_resumed(model_l3, dataset, tmp_path_factory):
     after_command_kill = len(read_lines(out / SAMPLES_NAME))
     assert 8 <= after_command_kill < len(valid)
 
-    server = Server(model_l3, out.with_name("server-1.log"), runtime_env(SGLANG_HS_DUMP_DIR=str(out)))
+    server = Server(model_l3, out.with_name("server-1.log"), runtime_env(SGLANG_HS_DUMP_DIR=str(out), SGLANG_HS_DUMP_LAYERS=DUMP_LAYERS))
     with server:
         server.wait_ready()
         command = start_generate(*options, "--server", f"http://127.0.0.1:{server.port}", "--model", model_l3,
@@ -185,7 +192,7 @@ def killed_and_resumed(model_l3, dataset, tmp_path_factory):
     after_server_kill = len(read_lines(out / SAMPLES_NAME))
     assert after_server_kill < len(valid)
 
-    with Server(model_l3, out.with_name("server-2.log"), runtime_env(SGLANG_HS_DUMP_DIR=str(out))) as server:
+    with Server(model_l3, out.with_name("server-2.log"), runtime_env(SGLANG_HS_DUMP_DIR=str(out), SGLANG_HS_DUMP_LAYERS=DUMP_LAYERS)) as server:
         server.wait_ready()
         url = f"http://127.0.0.1:{server.port}"
         result = run_generate(*options, "--server", url, "--model", model_l3)
@@ -322,7 +329,8 @@ def test_specforge_reads_the_export(killed_and_resumed, tmp_path):
         record, item = load_dump(str(killed_and_resumed / entry["file"])), dataset[i]
         assert torch.equal(item["input_ids"][0], record.token_ids)
         assert item["loss_mask"][0].tolist() == masks[entry["rid"]][:-1] + [0]  # SpecForge masks the last
-        assert torch.equal(item["hidden_state"][0], record.hidden_states.reshape(record.token_ids.numel(), -1))
+        aux = record.hidden_states[:, [record.layer_ids.index(0), record.layer_ids.index(2)]]  # ascending, below L
+        assert torch.equal(item["hidden_state"][0], aux.reshape(record.token_ids.numel(), -1))
 
 
 def test_speculators_reads_the_export(killed_and_resumed, tmp_path):
@@ -356,5 +364,23 @@ def test_exports_refuse_layers_the_dump_lacks(tmp_path, killed_and_resumed, caps
     assert "always exported last" in capsys.readouterr().err
     for export in (export_speculators, export_specforge):
         assert export.main([str(killed_and_resumed), str(tmp_path / "b"), "--layers", "0,1"]) == 1
-        assert "the dump holds the layers [1, 2, 3], not [0]" in capsys.readouterr().err
+        assert "the dump holds the layers [2, 0, 3], not [1]" in capsys.readouterr().err
         assert not (tmp_path / "b").exists()
+
+
+def test_speculators_export_names_its_ids_and_refuses_a_draft_config_off_by_one(tmp_path, killed_and_resumed, capsys):
+    """speculators names a layer by its output (id k: the output of decoder layer k), so the
+    dump's layers [2, 0] (the residual stream entering each) are its [1, -1]."""
+    out = tmp_path / "out"
+    assert export_speculators.main([str(killed_and_resumed), str(out)]) == 0
+    values = json.loads((out / VALUES_NAME).read_text())
+    assert values["eagle_aux_hidden_state_layer_ids"] == [1, -1]
+    assert "output of decoder layer 2 before the final norm" in values["final_state"]
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [2, 0]}))  # the dump's ids, taken as they are
+    assert export_speculators.main([str(killed_and_resumed), str(tmp_path / "bad"), "--draft-config", str(config)]) == 1
+    assert "so a draft trained on it names [1, -1]" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    config.write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [1, -1]}))
+    assert export_speculators.main([str(killed_and_resumed), str(tmp_path / "ok"), "--draft-config", str(config)]) == 0
