@@ -13,7 +13,6 @@ PYTHONPATH=/tmp/site python3 -m scripts verify --version 0.5.14 --dir /tmp/site 
 export SGLANG_CHECKOUT=/tmp/site PYTHONPATH=/tmp/site:$PWD GPU_RESULTS=$OUT/gpu-results.json
 python3 -m pytest -q -rA --basetemp=/tmp/pt "${@:-tests/gpu}" 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
-for log in /tmp/pt/*/server.log; do
-  [ -f "$log" ] && cp "$log" "$OUT/$(basename "$(dirname "$log")").log"
-done
+# Every server's log, in one file (few files come back from the GPU machine).
+(cd /tmp/pt && tar czf "$OUT/server-logs.tar.gz" */*.log 2>/dev/null)
 exit "$status"
