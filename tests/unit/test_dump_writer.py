@@ -147,7 +147,7 @@ def test_timings_say_whether_the_scheduler_waited_for_the_disk(dump_dir, monkeyp
     assert timings.blocked_ms >= 4 * 50
     assert timings.capture_ms < timings.blocked_ms
     with caplog.at_level("INFO", logger="sglang.srt.hidden_states_dump"):
-        dumper._writer.stats.log()
+        dumper.writer.stats.log()
     logged = DumpTimings.parse(caplog.text)
     assert logged is not None and logged.write_ms >= timings.write_ms
     assert DumpCounters.parse(caplog.text).files == 8

@@ -97,13 +97,13 @@ class HiddenStatesDumper:
         self._aux_order = [sorted(self.layer_ids).index(i) for i in self.layer_ids]
         self.is_writer = is_writer
         self._partials: Dict[str, PartialPrompt] = {}
-        self._writer: Optional[DumpWriter] = None
+        self.writer: Optional[DumpWriter] = None  # on the rank that writes
         if not is_writer:
             return
         manifest = manifest_name(dp_rank)
         remove_stale_temp_files(config.dump_dir)
         repair_torn_manifest(os.path.join(config.dump_dir, manifest))
-        self._writer = DumpWriter(
+        self.writer = DumpWriter(
             config.dump_dir,
             metadata,
             queue_size=config.queue_size,
@@ -111,7 +111,7 @@ class HiddenStatesDumper:
             threads=config.writer_threads,
             manifest_name=manifest,
         )
-        lifecycle.register_writer(self._writer, config.drain_timeout_s)
+        lifecycle.register_writer(self.writer, config.drain_timeout_s)
         eager = (
             "; prefills with dumped requests run without prefill CUDA graphs"
             if prefill_graphs_run_dumps_eagerly()
@@ -156,10 +156,10 @@ class HiddenStatesDumper:
 
     def counters(self) -> Optional[DumpCounters]:
         """The counters of this replica's writer (None on ranks that do not write)."""
-        return self._writer.counters() if self._writer else None
+        return self.writer.counters() if self.writer else None
 
     def timings(self) -> Optional[DumpTimings]:
-        return self._writer.timings() if self._writer else None
+        return self.writer.timings() if self.writer else None
 
     def capture(
         self,
@@ -182,7 +182,7 @@ class HiddenStatesDumper:
             offset += end - start
             blocked += self._add_chunk(request, prefix_len, chunk)
         elapsed = time.perf_counter() - started
-        self._writer.stats.add(seconds=dict(capture_ms=elapsed - blocked))
+        self.writer.stats.add(seconds=dict(capture_ms=elapsed - blocked))
 
     def _spans(self, forward_batch, requests):
         """(request, prefix_len, first row, end row) of each dumped request's prompt rows in
@@ -213,7 +213,7 @@ class HiddenStatesDumper:
                 f"{partial.num_tokens} of {partial.request.prompt_len} prompt tokens; "
                 f"nothing written"
             )
-            self._writer.stats.add(discarded=1)
+            self.writer.stats.add(discarded=1)
 
     def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans):
         if hidden_states.device.type == "cpu":
@@ -283,11 +283,11 @@ class HiddenStatesDumper:
                 f"hidden states dump: request {request.rid!r} has no hidden states for "
                 f"prompt positions {have}..{prefix_len}; nothing written"
             )
-            self._writer.stats.add(errors=1)
+            self.writer.stats.add(errors=1)
             return 0.0
         partial.chunks.append(chunk)
         partial.num_tokens += chunk.end - chunk.start
         if partial.num_tokens >= request.prompt_len:
-            return self._writer.submit(request, partial.chunks)
+            return self.writer.submit(request, partial.chunks)
         self._partials[request.rid] = partial
         return 0.0
