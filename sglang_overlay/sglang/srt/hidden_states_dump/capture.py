@@ -100,7 +100,7 @@ class HiddenStatesDumper:
         self.writer: Optional[DumpWriter] = None  # on the rank that writes
         if not is_writer:
             return
-        manifest = manifest_name(dp_rank)
+        manifest = manifest_name(dp_rank, config.writer_id)
         remove_stale_temp_files(config.dump_dir)
         repair_torn_manifest(os.path.join(config.dump_dir, manifest))
         self.writer = DumpWriter(

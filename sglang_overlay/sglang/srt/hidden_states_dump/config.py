@@ -6,6 +6,7 @@ reader. The layer ids depend on the model, so they are resolved by `layer_ids`.
 """
 
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from functools import lru_cache
@@ -17,6 +18,8 @@ from sglang.srt.hidden_states_dump.format import TEMP_PREFIX
 # The encodings SGLANG_HS_DUMP_DTYPE picks (unset: the model's dtype, unconverted).
 DTYPES = ("bf16", "fp8")
 ON_FULL_QUEUE = ("block", "drop")
+MAX_WRITER_ID_LENGTH = 64
+DP_RANK_SUFFIX = re.compile(r"(?:^|-)dp[0-9]+$")  # a writer id must not read as a rank
 
 
 @lru_cache(maxsize=1)
@@ -34,6 +37,7 @@ class DumpConfig:
     writer_threads: int  # resolved: never 0
     drain_timeout_s: float
     dtype: Optional[str]  # None (the model's dtype), "bf16" or "fp8"
+    writer_id: Optional[str] = None  # names this server's manifest in a shared directory
 
     @classmethod
     def from_env(cls) -> Optional["DumpConfig"]:
@@ -65,6 +69,7 @@ class DumpConfig:
             writer_threads=writer_threads or default_writer_threads(),
             drain_timeout_s=drain_timeout_s,
             dtype=parse_dtype(envs.SGLANG_HS_DUMP_DTYPE.get()),
+            writer_id=parse_writer_id(envs.SGLANG_HS_DUMP_WRITER_ID.get()),
         )
 
     def layer_ids(self, num_layers: int) -> List[int]:
@@ -113,6 +118,27 @@ def parse_dtype(value: Optional[str]) -> Optional[str]:
             f"(unset: the model's dtype)."
         )
     return value.lower()
+
+
+def parse_writer_id(value: Optional[str]) -> Optional[str]:
+    """SGLANG_HS_DUMP_WRITER_ID: None (unset), else a name for this server's manifest,
+    manifest-<name>.jsonl, so that many servers dump into one directory."""
+    if value is None:
+        return None
+    problem = (
+        "is empty" if not value
+        else "has a path separator" if "/" in value or "\\" in value
+        else f"is {len(value)} characters long (at most {MAX_WRITER_ID_LENGTH})" if len(value) > MAX_WRITER_ID_LENGTH
+        else "ends like a data-parallel rank (dp<k>)" if DP_RANK_SUFFIX.search(value)
+        else "has a character that is not printable" if not value.isprintable()
+        else None
+    )
+    if problem:
+        raise ValueError(
+            f"SGLANG_HS_DUMP_WRITER_ID={value!r} {problem}: give each server dumping into the "
+            f"directory its own name (e.g. its host name), or leave it unset."
+        )
+    return value
 
 
 def default_writer_threads() -> int:

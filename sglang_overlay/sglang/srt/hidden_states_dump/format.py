@@ -31,8 +31,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 FORMAT_VERSION = "1"
-MANIFEST_NAME = "manifest.jsonl"  # data-parallel rank 0's; rank k > 0 writes manifest-dp<k>
-MANIFEST_FILE = re.compile(r"^manifest(?:-dp([1-9][0-9]*))?\.jsonl$")
+# A writer's manifest: manifest[-<writer id>][-dp<k>].jsonl (k > 0: a data-parallel rank).
+MANIFEST_NAME = "manifest.jsonl"
+MANIFEST_FILE = re.compile(r"^manifest(?:-(?!dp[0-9]+\.jsonl$)(.+?))?(?:-dp([1-9][0-9]*))?\.jsonl$")
 TEMP_PREFIX = ".partial-"
 # What a layer id means, in every file's metadata and every manifest line.
 LAYER_CONVENTION = (
@@ -155,18 +156,26 @@ def manifest_entry(
     }
 
 
-def manifest_name(dp_rank: int) -> str:
-    return MANIFEST_NAME if dp_rank == 0 else f"manifest-dp{dp_rank}.jsonl"
+def manifest_name(dp_rank: int, writer_id: Optional[str] = None) -> str:
+    """The manifest of one writer: named by the server's writer id (SGLANG_HS_DUMP_WRITER_ID)
+    when it has one, and by its data-parallel rank when that is not 0."""
+    name = "manifest" + (f"-{writer_id}" if writer_id else "")
+    return name + (f"-dp{dp_rank}" if dp_rank else "") + ".jsonl"
 
 
 def manifest_paths(dump_dir: str) -> List[str]:
-    """Every writer's manifest in `dump_dir`: data-parallel rank 0's first, then by rank."""
+    """Every writer's manifest in `dump_dir`: the unnamed writers' first, then by writer
+    id; each writer's data-parallel ranks in order."""
     try:
         names = os.listdir(dump_dir)
     except FileNotFoundError:
         return []
-    ranked = [(int(m.group(1) or 0), name) for name in names if (m := MANIFEST_FILE.match(name))]
-    return [os.path.join(dump_dir, name) for _, name in sorted(ranked)]
+    ranked = [
+        (m.group(1) is not None, m.group(1) or "", int(m.group(2) or 0), name)
+        for name in names
+        if (m := MANIFEST_FILE.match(name))
+    ]
+    return [os.path.join(dump_dir, key[-1]) for key in sorted(ranked)]
 
 
 def parse_manifest_line(line: bytes) -> Optional[dict]:

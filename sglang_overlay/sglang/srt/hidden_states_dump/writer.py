@@ -255,8 +255,12 @@ class DumpWriter:
 
 
 def append_line(path: str, line: str) -> None:
+    """Append one line. The manifest is locked while the line is written: writers sharing
+    it (servers given one writer id) append whole lines, and a writer starting on it repairs
+    only a line no live writer is still appending (repair_torn_manifest)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.fstat(fd).st_size
         data = (line + "\n").encode("utf-8")
         try:
@@ -280,6 +284,7 @@ def repair_torn_manifest(path: str) -> None:
     except FileNotFoundError:
         return
     with f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # waits for a line being appended (append_line)
         end = f.seek(0, os.SEEK_END)
         if end == 0:
             return
