@@ -24,7 +24,7 @@ from scripts.bench.dump import SERVER_ARGS
 from scripts.bench.measure import send_and_land, summary
 from scripts.dumps.chat import ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import open_dataset
-from scripts.dumps.generate import Client, Generation
+from scripts.dumps.generate import Client, Endpoint, Generation
 from scripts.dumps.server import Server, runtime_env
 from scripts.dumps.tiny_model import ensure_model
 from scripts.dumps.tiny_tokenizer import CORPUS
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
             dataset_path.write_text("".join(json.dumps(record) + "\n" for record in records))
 
             def generate():
-                generation = Generation(client, dump, encoder, None, "", CONCURRENCY, retries=0, manifest_timeout=120)
+                generation = Generation([Endpoint(client)], dump, encoder, None, "", CONCURRENCY, retries=0, manifest_timeout=120)
                 started = time.perf_counter()
                 tally = generation.run(open_dataset(dataset_path), None)
                 assert tally.complete and tally.tokens == tokens, (tally, tokens)

@@ -1,12 +1,14 @@
 """From a chat dataset to a finished hidden-states dump: chat template, loss masks, resume.
 
     python -m scripts.dumps.generate --dataset DATA --out DIR --model MODEL_DIR [options] [-- SERVER ARGS...]
-    python -m scripts.dumps.generate --dataset DATA --out DIR --server http://HOST:PORT [--model MODEL_DIR] [options]
+    python -m scripts.dumps.generate --dataset DATA --out DIR --server http://HOST:PORT [--server ...] [--model MODEL_DIR] [options]
 
 With --model alone it starts the patched SGLang server on the model (dumping into --out,
 `--skip-tokenizer-init`, the arguments after `--` passed on), and stops it at the end; it
-dies with this command. With --server it uses a running server, which must dump into --out
-(SGLANG_HS_DUMP_DIR); the tokenizer comes from --model, else from the server's model path.
+dies with this command. With --server it uses running servers, each of which must dump into
+--out (SGLANG_HS_DUMP_DIR; several of them each with its own SGLANG_HS_DUMP_WRITER_ID); the
+tokenizer comes from --model, else from the first server's model path. Each server gets up
+to --concurrency requests in flight, so a faster one takes more samples.
 
 Each valid sample (scripts/dumps/conversations.py) is tokenized with the model's chat
 template and its loss mask found (scripts/dumps/chat.py), then sent as token ids with its
@@ -19,8 +21,9 @@ Resume: run the same command again. Samples in samples.jsonl are skipped; a samp
 manifest lists but samples.jsonl does not (the command died between the two) gets its line
 without being sent again; the rest are sent. Records already in rejected.jsonl are not
 written there twice. Connection errors are retried with a doubling delay (--retries), then
-the sample counts as failed. Exit status 0 when every valid sample is dumped, 1 otherwise,
-2 for a usage error.
+the server is dropped and the samples it had not finished go to the other servers; with no
+server left they count as failed. Exit status 0 when every valid sample is dumped, 1
+otherwise, 2 for a usage error.
 """
 
 import argparse
@@ -30,12 +33,13 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Tuple
 
 from scripts.dump_format import ManifestFollower
 from scripts.dumps.chat import LOSS_MASKS, ChatEncoder, load_tokenizer
@@ -95,12 +99,37 @@ class DumpingServer(Server):
                          cwd=None, tied_to_parent=True)
 
 
+@dataclass(eq=False)
+class Endpoint:
+    """One server the samples are sent to, and what it did in this run."""
+    client: Client
+    server: Optional[DumpingServer] = None  # the one this command started
+    in_flight: int = 0
+    dumped: int = 0
+    tokens: int = 0
+    dropped: Optional[str] = None  # why no more samples go to it
+    # Set from a sender thread: a sample ran out of retries on it, the rest would too.
+    unreachable: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    @property
+    def label(self) -> str:
+        return urllib.parse.urlsplit(self.url).netloc or self.url
+
+    def gone(self) -> bool:
+        return self.unreachable.is_set() or (self.server is not None and self.server.exited() is not None)
+
+
 @dataclass
 class Prepared:
     rid: str
     line: int
     input_ids: List[int]
     loss_mask: List[int]
+    sent_to: Optional[Endpoint] = None  # the server it was last sent to
 
 
 @dataclass
@@ -130,15 +159,17 @@ def human_bytes(count: float) -> str:
 
 
 class Generation:
-    """One run over a dataset: prepares samples and follows the manifest on this thread,
-    sends them from a pool. A sample gets its samples line once it is answered and the
-    manifest lists its file (or at once, when an earlier run's manifest already does)."""
+    """One run over a dataset: prepares samples and follows the manifests on this thread,
+    sends them from a pool to whichever server has room. A sample gets its samples line once
+    it is answered and a manifest lists its file (or at once, when an earlier run's manifest
+    already does). A server that runs out of retries is dropped: its unfinished samples go
+    to the others."""
 
-    def __init__(self, client: Client, out: Path, encoder: ChatEncoder, max_tokens: Optional[int], max_tokens_why: str,
-                 concurrency: int, retries: int, manifest_timeout: float, server: Optional[DumpingServer] = None):
-        self.client, self.out, self.encoder = client, out, encoder
+    def __init__(self, endpoints: List[Endpoint], out: Path, encoder: ChatEncoder, max_tokens: Optional[int],
+                 max_tokens_why: str, concurrency: int, retries: int, manifest_timeout: float):
+        self.endpoints, self.out, self.encoder = endpoints, out, encoder
         self.max_tokens, self.max_tokens_why = max_tokens, max_tokens_why
-        self.concurrency, self.retries, self.manifest_timeout, self.server = concurrency, retries, manifest_timeout, server
+        self.concurrency, self.retries, self.manifest_timeout = concurrency, retries, manifest_timeout
         self.done = {entry["rid"] for entry in read_lines(out / SAMPLES_NAME)}
         self.rejected_lines = {entry["line"] for entry in read_lines(out / REJECTED_NAME)}
         self.samples_file = AppendOnlyLines(out / SAMPLES_NAME)
@@ -149,8 +180,8 @@ class Generation:
         self.dumped: Dict[str, dict] = {}      # rid -> its first manifest entry
         self.waiting: Dict[str, Prepared] = {}  # answered, its manifest line not seen yet
         self.in_flight: Dict[Future, Prepared] = {}
+        self.resend: Deque[Tuple[Prepared, str]] = deque()  # a dropped server's, with why
         self.last_answer = time.monotonic()
-        self.unreachable = threading.Event()  # a sample ran out of retries: the rest would too
         self.tally = Tally()
         self.bar = None
         self.started = time.monotonic()
@@ -178,6 +209,8 @@ class Generation:
         if sent:
             self.tally.dumped += 1
             self.tally.tokens += entry["num_tokens"]
+            prepared.sent_to.dumped += 1
+            prepared.sent_to.tokens += entry["num_tokens"]
             try:
                 self.tally.bytes += os.path.getsize(self.out / entry["file"])
             except OSError:
@@ -214,18 +247,20 @@ class Generation:
             return
         elapsed = max(time.monotonic() - self.started, 1e-9)
         rejected = sum(self.tally.rejected.values())
+        servers = "".join(f"; {e.label}{' (dropped)' if e.dropped else ''}: {e.dumped} at {e.tokens / elapsed:,.0f} tok/s"
+                          for e in self.endpoints) if len(self.endpoints) > 1 else ""
         self.bar.set_postfix_str(f"{self.tally.tokens / elapsed:,.0f} prompt tok/s, {human_bytes(self.tally.bytes)}, "
-                                 f"rejected {rejected}, failed {self.tally.failed}", refresh=False)
+                                 f"rejected {rejected}, failed {self.tally.failed}{servers}", refresh=False)
         self.bar.update(1)
 
     # -- sending (on the pool's threads: each returns its outcome) ------------------------
 
-    def _server_gone(self) -> bool:
-        return self.unreachable.is_set() or (self.server is not None and self.server.exited() is not None)
+    def _live(self) -> List[Endpoint]:
+        return [endpoint for endpoint in self.endpoints if endpoint.dropped is None and not endpoint.gone()]
 
-    def _send(self, prepared: Prepared) -> Optional[Rejected]:
-        """None once the server answered (or dumped it); the Rejected the server's refusal
-        makes; raises _Unanswered when every attempt failed."""
+    def _send(self, prepared: Prepared, endpoint: Endpoint) -> Optional[Rejected]:
+        """None once the server answered (or any server dumped it); the Rejected the
+        server's refusal makes; raises _Unanswered when every attempt failed."""
         body = {"input_ids": prepared.input_ids, "rid": prepared.rid,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         delay, error = 1.0, None
@@ -233,12 +268,12 @@ class Generation:
             if prepared.rid in self.dumped:  # dumped, its answer lost with a broken connection
                 return None
             if attempt:
-                if self._server_gone():
+                if endpoint.gone():
                     break
                 time.sleep(delay)
                 delay = min(delay * 2, 30.0)
             try:
-                answer = self.client.post("/generate", body)
+                answer = endpoint.client.post("/generate", body)
             except urllib.error.HTTPError as e:
                 if 400 <= e.code < 500:
                     message = e.read().decode("utf-8", "replace")[:500]
@@ -253,8 +288,8 @@ class Generation:
                 error = f"the server aborted it: {finish.get('message')}"
                 continue
             return None
-        self.unreachable.set()
-        raise _Unanswered(f"not answered after {self.retries + 1} attempts: {error}")
+        endpoint.unreachable.set()
+        raise _Unanswered(f"not answered by {endpoint.url} after {self.retries + 1} attempts: {error}")
 
     def _collect(self, timeout: Optional[float]) -> None:
         """Wait up to `timeout` for a sent sample to finish, record every finished one, then
@@ -263,16 +298,59 @@ class Generation:
             finished, _ = wait(self.in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
             for future in finished:
                 prepared = self.in_flight.pop(future)
+                prepared.sent_to.in_flight -= 1
                 try:
                     refusal = future.result()
                 except _Unanswered as e:
-                    self._fail(prepared, str(e))
+                    self._drop(prepared.sent_to, str(e))
+                    self.resend.append((prepared, str(e)))
                     continue
                 if refusal is not None:
                     self._reject(prepared.line, prepared.rid, refusal)
                 else:
                     self._answered(prepared)
         self._poll_manifest()
+
+    def _drop(self, endpoint: Endpoint, reason: str) -> None:
+        """No more samples go to `endpoint`; those it answered that no manifest lists yet
+        are sent again (its writer died with it, or they would be dumped twice)."""
+        if endpoint.dropped is not None:
+            return
+        endpoint.dropped = reason
+        self._poll_manifest()
+        for rid, prepared in list(self.waiting.items()):
+            if prepared.sent_to is endpoint:
+                del self.waiting[rid]
+                self.resend.append((prepared, f"answered by {endpoint.url}, which then stopped answering"))
+        live = self._live()
+        if live and self.bar is not None:
+            self.bar.write(f"{endpoint.url} dropped ({reason}); its samples go to "
+                           f"{', '.join(e.url for e in live)}", file=sys.stderr)
+
+    def _submit(self, pool: ThreadPoolExecutor, prepared: Prepared, why_not: str) -> None:
+        """Send `prepared` to the live server with the fewest requests in flight once one
+        has room, or fail it with `why_not` when none is left."""
+        while True:
+            entry = self.dumped.get(prepared.rid)
+            if entry is not None and prepared.sent_to is not None:  # dumped, its answer lost
+                self._complete(prepared, entry, sent=True)
+                return
+            live = self._live()
+            if not live:
+                self._fail(prepared, why_not)
+                return
+            endpoint = min(live, key=lambda e: e.in_flight)
+            if endpoint.in_flight < self.concurrency:
+                break
+            self._collect(timeout=0.05)
+        prepared.sent_to = endpoint
+        endpoint.in_flight += 1
+        self.in_flight[pool.submit(self._send, prepared, endpoint)] = prepared
+
+    def _resend_dropped(self, pool: ThreadPoolExecutor) -> None:
+        while self.resend:
+            prepared, reason = self.resend.popleft()
+            self._submit(pool, prepared, reason)
 
     def _prepare(self, sample: Sample) -> Prepared:
         input_ids, loss_mask = self.encoder.encode(sample.messages)
@@ -289,9 +367,10 @@ class Generation:
         self._poll_manifest()
         self.bar = tqdm(total=self.tally.total, unit="sample", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
         resolved = 0
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+        with ThreadPoolExecutor(max_workers=self.concurrency * len(self.endpoints)) as pool:
             for record, result in read_samples(dataset, limit):
-                if self._server_gone():
+                self._resend_dropped(pool)
+                if not self._live():
                     break
                 resolved += 1
                 if isinstance(result, Rejected):
@@ -310,10 +389,9 @@ class Generation:
                 if entry is not None:
                     self._complete(prepared, entry, sent=False)
                     continue
-                while len(self.in_flight) >= self.concurrency:
-                    self._collect(timeout=0.05)
-                self.in_flight[pool.submit(self._send, prepared)] = prepared
-            while self.in_flight:
+                self._submit(pool, prepared, "every server is gone")
+            while self.in_flight or self.resend:
+                self._resend_dropped(pool)
                 self._collect(timeout=0.05)
         self._wait_for_manifest()
         for prepared in self.waiting.values():
@@ -328,9 +406,9 @@ class Generation:
 
     def _wait_for_manifest(self) -> None:
         """Every answered sample waits for its manifest line, up to --manifest-timeout after
-        the last answer, or until the server is gone."""
+        the last answer, or until the servers that answered them are gone."""
         while self.waiting and time.monotonic() - self.last_answer <= self.manifest_timeout:
-            if self._server_gone():
+            if all(prepared.sent_to.gone() for prepared in self.waiting.values()):
                 self._poll_manifest()
                 return
             time.sleep(0.005)
@@ -341,11 +419,13 @@ class _Unanswered(Exception):
     """A sample every attempt of which failed."""
 
 
-def report(tally: Tally, out: Path, seconds: float, server_exit: Optional[int]) -> str:
+def report(tally: Tally, endpoints: List[Endpoint], out: Path, seconds: float, server_exit: Optional[int]) -> str:
     rejected = sum(tally.rejected.values())
     lines = [
         f"dumped {tally.dumped} samples in {seconds:.1f} s: {tally.tokens:,} prompt tokens "
         f"({tally.tokens / max(seconds, 1e-9):,.0f}/s), {human_bytes(tally.bytes)} written",
+        *(f"  {e.url}: {e.dumped} samples, {e.tokens:,} prompt tokens ({e.tokens / max(seconds, 1e-9):,.0f}/s)"
+          + (f"; dropped: {e.dropped}" if e.dropped else "") for e in (endpoints if len(endpoints) > 1 else [])),
         f"skipped as done: {tally.already_done}; completed from the manifest: {tally.completed}",
         f"rejected: {rejected}" + (f" ({', '.join(f'{kind} {n}' for kind, n in sorted(tally.rejected.items()))}; "
                                     f"{tally.rejected_before} recorded by an earlier run)" if rejected else ""),
@@ -365,8 +445,10 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--dataset", type=Path, required=True, help="JSON Lines, parquet, arrow or a saved dataset folder")
     parser.add_argument("--out", type=Path, required=True, help="the dump folder (manifest, files, samples.jsonl, rejected.jsonl)")
     parser.add_argument("--model", type=Path, help="the model folder (tokenizer, chat template); without --server, serve it")
-    parser.add_argument("--server", help="a running patched server dumping into --out, e.g. http://127.0.0.1:30000")
-    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
+    parser.add_argument("--server", action="append",
+                        help="a running patched server dumping into --out, e.g. http://127.0.0.1:30000; "
+                             "repeat it for several (each with its own SGLANG_HS_DUMP_WRITER_ID)")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per server (default 32)")
     parser.add_argument("--limit", type=int, help="only the first N records of the dataset")
     parser.add_argument("--max-length", type=int, help="reject samples of more tokens (default: what the server accepts)")
     parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file (default: the model's own)")
@@ -402,38 +484,38 @@ def generate(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     server, server_exit = None, None
     try:
-        if args.server:
-            client = Client(args.server)
+        infos = []
+        for url in args.server or []:
             try:
-                info = client.server_info()
+                infos.append(Client(url).server_info())
             except RETRYABLE as e:
-                raise ToolError(f"--server {args.server}: no answer ({e})")
-            model = args.model or model_of(info, args.server)
-        else:
-            model = args.model
+                raise ToolError(f"--server {url}: no answer ({e})")
+        model = args.model or model_of(infos[0], args.server[0])
         encoder = ChatEncoder(load_tokenizer(model), template, args.loss_mask)
-        if not args.server:
+        if args.server:
+            endpoints = [Endpoint(Client(url)) for url in args.server]
+        else:
             server = DumpingServer(args.model, args.out, args.dump_layers, args.server_args).start()
             print(f"starting the server on {args.model} (log: {server.log_path}) ...", file=sys.stderr)
             server.wait_ready(args.server_timeout)
-            client = Client(server.url)
-            info = client.server_info()
+            endpoints = [Endpoint(Client(server.url), server)]
+            infos.append(endpoints[0].client.server_info())
         max_tokens, why = args.max_length, "--max-length"
-        server_limit = info.get("max_req_input_len")
+        server_limit = min((info.get("max_req_input_len") for info in infos if info.get("max_req_input_len")), default=None)
         if server_limit and (max_tokens is None or server_limit < max_tokens):
-            max_tokens, why = server_limit, "the longest prompt the server accepts"
+            max_tokens, why = server_limit, "the longest prompt every server accepts"
         print(f"{dataset.path}: {dataset.num_records} records; loss mask: {encoder.method}; "
               f"longest prompt: {max_tokens} tokens", file=sys.stderr)
         started = time.monotonic()
-        generation = Generation(client, args.out, encoder, max_tokens, why, args.concurrency, args.retries,
-                                args.manifest_timeout, server)
+        generation = Generation(endpoints, args.out, encoder, max_tokens, why, args.concurrency, args.retries,
+                                args.manifest_timeout)
         tally = generation.run(dataset, args.limit)
         seconds = time.monotonic() - started
         server_exit = server.exited() if server is not None else None
     finally:
         if server is not None:
             server.stop()
-    print(report(tally, args.out, seconds, server_exit))
+    print(report(tally, endpoints, args.out, seconds, server_exit))
     return 0 if tally.complete else 1
 
 

@@ -165,10 +165,9 @@ def killed_and_resumed(model_l3, dataset, tmp_path_factory):
     separate server SIGKILLed mid-run; a rerun against a new server."""
     path, valid, bad = dataset
     out = tmp_path_factory.mktemp("generate") / "dump"
-    options = ["--dataset", path, "--out", out, "--max-length", MAX_LENGTH, "--concurrency", 1,
-               "--dump-layers", DUMP_LAYERS]
+    options = ["--dataset", path, "--out", out, "--max-length", MAX_LENGTH, "--concurrency", 1]
 
-    command = start_generate(*options, "--model", model_l3)
+    command = start_generate(*options, "--model", model_l3, "--dump-layers", DUMP_LAYERS)
     wait_for_samples(out, 8, command)
     command.send_signal(signal.SIGKILL)
     command.wait()

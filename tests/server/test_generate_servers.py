@@ -1,0 +1,83 @@
+"""scripts.dumps.generate on two real CPU servers dumping into one directory, each under its
+own writer id: one SIGKILLed mid-run, the run finishes on the other; a rerun with both sends
+nothing again; each server's manifest lists only the files its writer wrote."""
+
+import json
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from scripts.dump_format import load_dump, manifest_name
+from scripts.dumps.samples import SAMPLES_NAME, read_lines
+from scripts.dumps.server import Server, runtime_env
+from tests.server.test_generate import (DUMP_LAYERS, MAX_LENGTH, check_complete, run_generate, start_generate,
+                                        wait_for_samples, write_dataset)
+
+
+def dumping_server(model: Path, out: Path, writer_id: str, log_name: str) -> Server:
+    return Server(model, out.with_name(log_name), runtime_env(SGLANG_HS_DUMP_DIR=str(out), SGLANG_HS_DUMP_LAYERS=DUMP_LAYERS,
+                                                              SGLANG_HS_DUMP_WRITER_ID=writer_id))
+
+
+def manifest_files(out: Path, writer_id: str) -> list:
+    """The files one writer's manifest lists (a torn last line, left by a kill, is none)."""
+    files = []
+    for line in (out / manifest_name(0, writer_id)).read_bytes().splitlines():
+        try:
+            files.append(json.loads(line)["file"])
+        except ValueError:
+            pass
+    return files
+
+
+def wait_for_lines(path: Path, count: int, process, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() or len(path.read_bytes().splitlines()) < count:
+        assert process.poll() is None, process.stdout.read()
+        assert time.monotonic() < deadline, f"{path}: fewer than {count} lines after {timeout}s"
+        time.sleep(0.02)
+
+
+def test_a_killed_server_hands_its_samples_to_the_other(model_l3, tmp_path):
+    path = tmp_path / "chats.jsonl"
+    valid, bad = write_dataset(path)
+    out = tmp_path / "dump"
+    options = ["--dataset", path, "--out", out, "--max-length", MAX_LENGTH, "--model", model_l3,
+               "--concurrency", 1, "--retries", 1]
+
+    with ExitStack() as stack:
+        server_a = stack.enter_context(dumping_server(model_l3, out, "a", "server-a.log"))
+        server_b = stack.enter_context(dumping_server(model_l3, out, "b", "server-b.log"))
+        server_a.wait_ready()
+        server_b.wait_ready()
+        url_a, url_b = server_a.url, server_b.url
+
+        command = start_generate(*options, "--server", url_a, "--server", url_b)
+        wait_for_samples(out, 8, command)
+        wait_for_lines(out / manifest_name(0, "a"), 2, command)  # both servers take samples
+        wait_for_lines(out / manifest_name(0, "b"), 2, command)
+        server_a.kill()
+        output, _ = command.communicate(timeout=300)
+        assert command.returncode == 0, output
+        check_complete(out, valid, bad)
+        assert f"{url_a} dropped" in output
+        summary = output[output.index("dumped "):]
+        assert f"  {url_a}: " in summary and "; dropped: not answered by" in summary
+        assert f"  {url_b}: " in summary
+        dumped_before = len(read_lines(out / SAMPLES_NAME))
+
+        server_a = stack.enter_context(dumping_server(model_l3, out, "a", "server-a2.log"))
+        server_a.wait_ready()
+        result = run_generate(*options, "--server", server_a.url, "--server", url_b)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"skipped as done: {len(valid)}" in result.stdout
+        assert f"  {server_a.url}: 0 samples" in result.stdout and f"  {url_b}: 0 samples" in result.stdout
+        assert len(read_lines(out / SAMPLES_NAME)) == dumped_before
+        check_complete(out, valid, bad)
+
+    files_a, files_b = manifest_files(out, "a"), manifest_files(out, "b")
+    assert files_a and files_b and not set(files_a) & set(files_b)
+    assert not (out / "manifest.jsonl").exists()
+    rids = {entry["rid"] for entry in map(json.loads, (out / SAMPLES_NAME).read_text().splitlines())}
+    for file in files_a + files_b:
+        assert load_dump(str(out / file)).metadata["rid"] in rids
