@@ -1,7 +1,7 @@
 """Faults injected inside the server process, attached with --forward-hooks like the oracle.
 
 `stall_writer`: a disk that stalls. While the gate file exists, the dump's writer thread
-waits before writing the job it has taken from its queue (it first creates
+waits before writing the job it has taken from its queue (all but the first `after` jobs) (it first creates
 `<gate>.holding`, so a test knows the writer holds a job), and a submit that finds the
 queue full first writes the request's id to `<gate>.full`, so a test knows the scheduler is
 about to wait for room (under `block`) or drop it (under `drop`).
@@ -21,8 +21,11 @@ def stall_writer(config):
 
     gate = Path(config["gate"])
     write_file = DumpWriter.write_file
+    let_through = iter(range(config.get("after", 0)))
 
     def stalled_write_file(self, job):
+        if next(let_through, None) is not None:
+            return write_file(self, job)
         gate.with_name(gate.name + ".holding").touch()
         while gate.exists():
             time.sleep(0.01)
@@ -40,11 +43,12 @@ def stall_writer(config):
     return lambda module, inputs, output: None
 
 
-def stall_writer_spec(gate: Path) -> str:
+def stall_writer_spec(gate: Path, after: int = 0) -> str:
     import json
 
     return json.dumps([{"name": "stall_writer", "target_modules": ["model.norm"],
-                        "hook_factory": "tests.server.fault_hooks:stall_writer", "config": {"gate": str(gate)}}])
+                        "hook_factory": "tests.server.fault_hooks:stall_writer",
+                        "config": {"gate": str(gate), "after": after}}])
 
 
 def report_pid(config):

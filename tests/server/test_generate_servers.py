@@ -10,13 +10,14 @@ from pathlib import Path
 from scripts.dump_format import load_dump, manifest_name
 from scripts.dumps.samples import SAMPLES_NAME, read_lines
 from scripts.dumps.server import Server, runtime_env
+from tests.server.fault_hooks import stall_writer_spec
 from tests.server.test_generate import (DUMP_LAYERS, MAX_LENGTH, check_complete, run_generate, start_generate,
-                                        wait_for_samples, write_dataset)
+                                        write_dataset)
 
 
-def dumping_server(model: Path, out: Path, writer_id: str, log_name: str) -> Server:
+def dumping_server(model: Path, out: Path, writer_id: str, log_name: str, extra_args=()) -> Server:
     return Server(model, out.with_name(log_name), runtime_env(SGLANG_HS_DUMP_DIR=str(out), SGLANG_HS_DUMP_LAYERS=DUMP_LAYERS,
-                                                              SGLANG_HS_DUMP_WRITER_ID=writer_id))
+                                                              SGLANG_HS_DUMP_WRITER_ID=writer_id), list(extra_args))
 
 
 def manifest_files(out: Path, writer_id: str) -> list:
@@ -45,17 +46,27 @@ def test_a_killed_server_hands_its_samples_to_the_other(model_l3, tmp_path):
     options = ["--dataset", path, "--out", out, "--max-length", MAX_LENGTH, "--model", model_l3,
                "--concurrency", 1, "--retries", 1]
 
+    # Server "a" writes two files, then its disk stalls: the samples it answers after that
+    # wait for manifest lines that never come, so the run cannot end before "a" is killed
+    # (without this a fast run could finish first), and they must go to "b".
+    gate = tmp_path / "stall-a"
+    gate.touch()
     with ExitStack() as stack:
-        server_a = stack.enter_context(dumping_server(model_l3, out, "a", "server-a.log"))
+        server_a = stack.enter_context(dumping_server(model_l3, out, "a", "server-a.log",
+                                                      ["--forward-hooks", stall_writer_spec(gate, after=2)]))
         server_b = stack.enter_context(dumping_server(model_l3, out, "b", "server-b.log"))
         server_a.wait_ready()
         server_b.wait_ready()
         url_a, url_b = server_a.url, server_b.url
 
         command = start_generate(*options, "--server", url_a, "--server", url_b)
-        wait_for_samples(out, 8, command)
         wait_for_lines(out / manifest_name(0, "a"), 2, command)  # both servers take samples
         wait_for_lines(out / manifest_name(0, "b"), 2, command)
+        holding, deadline = gate.with_name(gate.name + ".holding"), time.monotonic() + 300
+        while not holding.exists():  # "a" has answered a sample its stalled writer holds
+            assert command.poll() is None, command.stdout.read()
+            assert time.monotonic() < deadline, "server a's writer never took a third job"
+            time.sleep(0.02)
         server_a.kill()
         output, _ = command.communicate(timeout=300)
         assert command.returncode == 0, output
