@@ -63,7 +63,7 @@ def sglang_draft_values(record: DumpRecord, exported: List[int], draft_config: O
     return {
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": candidates[0]},
         "target_hidden_size": record.hidden_states.shape[-1],
-        "vocab_size": json.loads(record.metadata.get("vocab_size", "null")),
+        "vocab_size": record.vocab_size,
         "fed_layers": aux,
         "layer_convention": record.metadata.get("layer_convention"),
         "sglang_version": version,
@@ -87,7 +87,7 @@ def speculators_values(record: DumpRecord, aux_layers: List[int], draft_config: 
         "final_state": (f"the output of decoder layer {record.num_layers - 1} before the final norm (the dump's "
                         f"id {record.num_layers}), last in hidden_states"),
         "target_hidden_size": record.hidden_states.shape[-1],
-        "vocab_size": json.loads(record.metadata.get("vocab_size", "null")),
+        "vocab_size": record.vocab_size,
         "layer_convention": "speculators: id k is the output of decoder layer k",
     }
 

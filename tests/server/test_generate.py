@@ -115,12 +115,18 @@ def start_generate(*args):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for_samples(out: Path, count: int, process=None, timeout: float = 300) -> None:
+def wait_while_running(process, done, what: str, timeout: float = 300) -> None:
+    """Poll `done()` until it holds; the generate command `process` (if any) must still run."""
     deadline = time.monotonic() + timeout
-    while len(read_lines(out / SAMPLES_NAME)) < count:
+    while not done():
         assert process is None or process.poll() is None, process.stdout.read()
-        assert time.monotonic() < deadline, f"fewer than {count} samples after {timeout}s"
+        assert time.monotonic() < deadline, f"{what} after {timeout}s"
         time.sleep(0.02)
+
+
+def wait_for_samples(out: Path, count: int, process=None, timeout: float = 300) -> None:
+    wait_while_running(process, lambda: len(read_lines(out / SAMPLES_NAME)) >= count,
+                       f"fewer than {count} samples", timeout)
 
 
 def dumping_processes(out: Path):

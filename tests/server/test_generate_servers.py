@@ -3,7 +3,6 @@ own writer id: one SIGKILLed mid-run, the run finishes on the other; a rerun wit
 nothing again; each server's manifest lists only the files its writer wrote."""
 
 import json
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from scripts.dumps.samples import SAMPLES_NAME, read_lines
 from scripts.dumps.server import Server, runtime_env
 from tests.server.fault_hooks import stall_writer_spec
 from tests.server.test_generate import (DUMP_LAYERS, MAX_LENGTH, check_complete, run_generate, start_generate,
-                                        write_dataset)
+                                        wait_while_running, write_dataset)
 
 
 def dumping_server(model: Path, out: Path, writer_id: str, log_name: str, extra_args=()) -> Server:
@@ -31,12 +30,9 @@ def manifest_files(out: Path, writer_id: str) -> list:
     return files
 
 
-def wait_for_lines(path: Path, count: int, process, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists() or len(path.read_bytes().splitlines()) < count:
-        assert process.poll() is None, process.stdout.read()
-        assert time.monotonic() < deadline, f"{path}: fewer than {count} lines after {timeout}s"
-        time.sleep(0.02)
+def wait_for_lines(path: Path, count: int, process) -> None:
+    wait_while_running(process, lambda: path.exists() and len(path.read_bytes().splitlines()) >= count,
+                       f"{path}: fewer than {count} lines")
 
 
 def test_a_killed_server_hands_its_samples_to_the_other(model_l3, tmp_path):
@@ -62,11 +58,8 @@ def test_a_killed_server_hands_its_samples_to_the_other(model_l3, tmp_path):
         command = start_generate(*options, "--server", url_a, "--server", url_b)
         wait_for_lines(out / manifest_name(0, "a"), 2, command)  # both servers take samples
         wait_for_lines(out / manifest_name(0, "b"), 2, command)
-        holding, deadline = gate.with_name(gate.name + ".holding"), time.monotonic() + 300
-        while not holding.exists():  # "a" has answered a sample its stalled writer holds
-            assert command.poll() is None, command.stdout.read()
-            assert time.monotonic() < deadline, "server a's writer never took a third job"
-            time.sleep(0.02)
+        holding = gate.with_name(gate.name + ".holding")  # "a" has answered a sample its stalled writer holds
+        wait_while_running(command, holding.exists, "server a's writer never took a third job")
         server_a.kill()
         output, _ = command.communicate(timeout=300)
         assert command.returncode == 0, output

@@ -248,6 +248,11 @@ class DumpRecord:
         return json.loads(self.metadata.get("eagle3_draft_layer_ids", "[]"))
 
     @property
+    def vocab_size(self) -> Optional[int]:
+        """The model's vocabulary size (None in files written before the dump recorded it)."""
+        return json.loads(self.metadata.get("vocab_size", "null"))
+
+    @property
     def num_layers(self) -> int:
         return int(self.metadata["num_layers"])
 
