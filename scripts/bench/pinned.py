@@ -9,8 +9,9 @@ prefill batch has, EAGLE-3's three layers plus the final state in bf16 and the t
 ids), each forward's buffers held until `--in-flight` later forwards have been taken
 (the queue and the writers), and times every allocation, for two contenders: a new
 `torch.empty(..., pin_memory=True)` per forward (PyTorch's caching host allocator) and
-the dump's own HostBuffers pool. Needs a CUDA device and the patched SGLang on
-PYTHONPATH.
+the dump's own HostBuffers, whose reserve is pinned once before the first forward (sized
+for `--in-flight` forwards of the largest size, plus one; its pinning time is reported
+apart). Needs a CUDA device and the patched SGLang on PYTHONPATH.
 """
 
 import argparse
@@ -29,11 +30,15 @@ FORWARD_TOKENS = (512, 1024, 2048, 4096, 8192, 16384)
 STATES = 4  # three captured layers and the final state
 
 
-def allocation_seconds(hidden_size: int, forwards: int, in_flight: int, pooled: bool, seed: int = 0) -> list:
+def allocation_seconds(hidden_size: int, forwards: int, in_flight: int, pooled: bool, seed: int = 0) -> dict:
+    """Each forward's allocation time, the reserve's pinning time and the overflows."""
     from sglang.srt.hidden_states_dump.host_buffers import HostBuffers
 
     rng = random.Random(seed)
-    pool = HostBuffers(pin_memory=True)
+    started = time.perf_counter()
+    largest = max(FORWARD_TOKENS) * (8 + STATES * hidden_size * 2)
+    pool = HostBuffers(reserve_bytes=(in_flight + 1) * largest if pooled else 0, pin_memory=True)
+    reserve_seconds = time.perf_counter() - started
     stream = torch.cuda.Stream()
     device_rows = torch.randn(max(FORWARD_TOKENS), STATES, hidden_size, device="cuda").to(torch.bfloat16)
     device_ids = torch.zeros(max(FORWARD_TOKENS), dtype=torch.int64, device="cuda")
@@ -63,10 +68,10 @@ def allocation_seconds(hidden_size: int, forwards: int, in_flight: int, pooled: 
             done, _ = held.popleft()  # written: the writer lets go of its rows
             done.synchronize()
     torch.cuda.synchronize()
-    return seconds
+    return {"seconds": seconds, "reserve_seconds": reserve_seconds, "overflows": pool.overflows}
 
 
-CONTENDERS = {"torch.empty(pin_memory=True) per forward": False, "HostBuffers pool": True}
+CONTENDERS = {"torch.empty(pin_memory=True) per forward": False, "HostBuffers reserve pinned at startup": True}
 
 
 def main(argv=None) -> int:
@@ -78,8 +83,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.contender:
-        seconds = allocation_seconds(args.hidden_size, args.forwards, args.in_flight, CONTENDERS[args.contender])
-        args.out.write_text(json.dumps(seconds))
+        measured = allocation_seconds(args.hidden_size, args.forwards, args.in_flight, CONTENDERS[args.contender])
+        args.out.write_text(json.dumps(measured))
         return 0
     ms = lambda values: {"median": statistics.median(values) * 1e3, "max": max(values) * 1e3,
                          "total": sum(values) * 1e3, "count": len(values)}
@@ -90,9 +95,13 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, "-m", "scripts.bench.pinned", "--contender", name, "--out", str(part),
                         "--hidden-size", str(args.hidden_size), "--forwards", str(args.forwards),
                         "--in-flight", str(args.in_flight)], check=True)
-        seconds = json.loads(part.read_text())
+        measured = json.loads(part.read_text())
         part.unlink()
+        seconds = measured["seconds"]
         allocation_ms[name] = {"first forwards (cold)": ms(seconds[:cold]), "later forwards (warm)": ms(seconds[cold:])}
+        if CONTENDERS[name]:
+            allocation_ms[name]["pinning the reserve at startup"] = measured["reserve_seconds"] * 1e3
+            allocation_ms[name]["overflows"] = measured["overflows"]
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden_size": args.hidden_size,
               "forward_tokens": FORWARD_TOKENS, "in_flight": args.in_flight, "allocation_ms": allocation_ms}
     args.out.write_text(json.dumps(result, indent=1))

@@ -51,9 +51,13 @@ def stand_in_metadata(layer_ids: List[int], dtype=None) -> dict:
                          series_version="stand-in", fp8=dtype == "fp8", model_dtype=torch.float32)
 
 
-def start_dumper(dump_dir, layer_ids: List[int], dp_rank: int = 0, dtype=None) -> HiddenStatesDumper:
+RESERVE_BYTES = 1 << 20  # host memory the stand-in dumper reserves for rows
+
+
+def start_dumper(dump_dir, layer_ids: List[int], dp_rank: int = 0, dtype=None,
+                 reserve_bytes: int = RESERVE_BYTES) -> HiddenStatesDumper:
     return HiddenStatesDumper(dump_config(dump_dir, dtype), stand_in_metadata(layer_ids, dtype),
-                              is_writer=True, dp_rank=dp_rank)
+                              is_writer=True, dp_rank=dp_rank, reserve_bytes=reserve_bytes)
 
 
 # One request of a forward: what it dumps (None: not dumped), the token ids of its rows

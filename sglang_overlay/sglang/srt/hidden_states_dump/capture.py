@@ -78,6 +78,15 @@ def server_args_and_ranks():
     return server_args, (parallel.attn_tp_rank, dp_rank, parallel.pp_group.is_last_rank)
 
 
+def forward_rows_bytes(
+    num_tokens: int, num_layers: int, hidden_size: int, itemsize: int, fp8: bool
+) -> int:
+    """Host bytes of one forward's rows for `num_tokens` prompt tokens: token ids, the
+    captured layers and the final state (`itemsize` bytes a value), with fp8's scales."""
+    scales = (num_layers + 1) * 4 if fp8 else 0
+    return num_tokens * (8 + (num_layers + 1) * hidden_size * itemsize + scales)
+
+
 class HiddenStatesDumper:
     """One per model replica. Every rank validates the configuration the same way; only
     the rank that writes for its data-parallel group copies rows and writes files."""
@@ -88,10 +97,13 @@ class HiddenStatesDumper:
         metadata: Dict[str, str],
         is_writer: bool,
         dp_rank: int = 0,
+        reserve_bytes: int = 0,
     ):
         self.config = config
         self.layer_ids: List[int] = json.loads(metadata["layer_ids"])
-        self.host_buffers = HostBuffers(pin_memory=torch.cuda.is_available())
+        self.host_buffers = HostBuffers(
+            reserve_bytes if is_writer else 0, pin_memory=torch.cuda.is_available()
+        )
         self._copy_stream = None  # device-to-host copies leave the forward's stream
         # The model appends aux hidden states as its layers run, i.e. by ascending id.
         self._aux_order = [sorted(self.layer_ids).index(i) for i in self.layer_ids]
@@ -121,6 +133,7 @@ class HiddenStatesDumper:
             f"hidden states dump on: dir={config.dump_dir} manifest={manifest} "
             f"layers={self.layer_ids} (of L={metadata['num_layers']}) "
             f"encoding={metadata['encoding']} writer_threads={config.writer_threads} "
+            f"host_memory_mb={self.host_buffers.reserve.numel() >> 20} "
             f"eagle3_draft_layer_ids={metadata['eagle3_draft_layer_ids']}{eager}"
         )
 
@@ -152,7 +165,20 @@ class HiddenStatesDumper:
             vocab_size=getattr(model_config, "vocab_size", None),
         )
         is_writer = attn_tp_rank == 0 and last_pp_stage
-        return cls(config, metadata, is_writer, dp_rank)
+        # Unless set, room for the rows of the largest prefill the server runs, once for
+        # each writer thread, once filling and once queued.
+        largest_prefill = max(
+            server_args.max_prefill_tokens, server_args.chunked_prefill_size or 0
+        )
+        itemsize = {"fp8": 1, "bf16": 2, None: torch.get_default_dtype().itemsize}
+        reserve_bytes = config.host_memory_mb << 20 or forward_rows_bytes(
+            largest_prefill,
+            len(layer_ids),
+            model_config.hidden_size,
+            itemsize[config.dtype],
+            fp8=config.dtype == "fp8",
+        ) * (config.writer_threads + 2)
+        return cls(config, metadata, is_writer, dp_rank, reserve_bytes)
 
     def counters(self) -> Optional[DumpCounters]:
         """The counters of this replica's writer (None on ranks that do not write)."""
@@ -175,7 +201,10 @@ class HiddenStatesDumper:
         self._discard_abandoned(continuing)
         if not spans:
             return
+        overflows = self.host_buffers.overflows
         rows = self._copy_to_host(forward_batch, hidden_states, aux_hidden_states, spans)
+        if self.host_buffers.overflows != overflows:
+            self.writer.stats.add(host_overflows=1)
         offset, blocked = 0, 0.0
         for request, prefix_len, start, end in spans:
             chunk = Chunk(rows, offset, offset + end - start)

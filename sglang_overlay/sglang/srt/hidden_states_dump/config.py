@@ -38,6 +38,7 @@ class DumpConfig:
     drain_timeout_s: float
     dtype: Optional[str]  # None (the model's dtype), "bf16" or "fp8"
     writer_id: Optional[str] = None  # names this server's manifest in a shared directory
+    host_memory_mb: int = 0  # host memory reserved for rows at startup; 0: sized from the server
 
     @classmethod
     def from_env(cls) -> Optional["DumpConfig"]:
@@ -58,6 +59,12 @@ class DumpConfig:
             raise ValueError(
                 "SGLANG_HS_DUMP_WRITER_THREADS must not be negative (0: from the host's cores)."
             )
+        host_memory_mb = envs.SGLANG_HS_DUMP_HOST_MEMORY_MB.get()
+        if host_memory_mb < 0:
+            raise ValueError(
+                "SGLANG_HS_DUMP_HOST_MEMORY_MB must not be negative (0: sized from the "
+                "server's largest prefill)."
+            )
         drain_timeout_s = envs.SGLANG_HS_DUMP_DRAIN_TIMEOUT_S.get()
         if drain_timeout_s < 0:
             raise ValueError("SGLANG_HS_DUMP_DRAIN_TIMEOUT_S must not be negative.")
@@ -70,6 +77,7 @@ class DumpConfig:
             drain_timeout_s=drain_timeout_s,
             dtype=parse_dtype(envs.SGLANG_HS_DUMP_DTYPE.get()),
             writer_id=parse_writer_id(envs.SGLANG_HS_DUMP_WRITER_ID.get()),
+            host_memory_mb=host_memory_mb,
         )
 
     def layer_ids(self, num_layers: int) -> List[int]:

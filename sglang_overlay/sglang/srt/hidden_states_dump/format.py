@@ -311,6 +311,7 @@ class DumpCounters(LogLine):
     errors: int = 0
     dropped: int = 0
     discarded: int = 0
+    host_overflows: int = 0  # forwards whose rows found no room in the host reserve
 
 
 @dataclass(frozen=True)

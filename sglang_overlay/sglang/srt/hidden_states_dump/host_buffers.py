@@ -1,14 +1,18 @@
-"""Host memory for the rows of each forward, reused across forwards."""
+"""Host memory for the rows of each forward: one reserve pinned at startup, shared out to
+forwards and taken back as their files are written."""
 
+import logging
 import threading
 import weakref
 from bisect import insort
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from sglang.srt.hidden_states_dump.format import FILE_TENSORS
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,50 +49,91 @@ class Chunk:
 
 
 class HostBuffers:
-    """Host buffers for the rows of each forward, reused across forwards: a forward's
-    buffer comes back once the last file that reads it is written (its HostRows are
-    gone), and a later forward takes the smallest free buffer that holds its rows.
-    PyTorch's caching host allocator reuses a freed pinned block only for a request of
-    the same power-of-two size, so forwards of mixed sizes kept pinning new blocks long
-    after warm-up (scripts/bench/pinned.py; BENCHMARKS.md). The pool never holds more
-    buffers than were in flight at once."""
+    """One block of host memory, pinned once when the server starts, from which each
+    forward takes a region for its rows; the region comes back once the last file that
+    reads it is written (its HostRows are gone). Pinning is slow (cudaHostAlloc maps and
+    locks every page) and, done per forward on the scheduler thread, was the dump's
+    largest cost there; PyTorch's caching host allocator reuses a freed pinned block only
+    for a request of the same power-of-two size (scripts/bench/pinned.py; BENCHMARKS.md).
 
-    ALIGNMENT = 64  # bytes, of each tensor inside a buffer
+    A forward takes the smallest free region that holds its rows, and neighbouring free
+    regions merge. Rows that find no room (more in flight than the reserve was sized for)
+    get memory of their own, pinned then, and are counted in `overflows`."""
 
-    def __init__(self, pin_memory: bool):
+    ALIGNMENT = 64  # bytes, of each tensor inside a region
+    REGION_ALIGNMENT = 4096  # bytes, of each region inside the reserve
+
+    def __init__(self, reserve_bytes: int, pin_memory: bool):
         self.pin_memory = pin_memory
+        self.reserve = torch.empty(
+            aligned(reserve_bytes, self.REGION_ALIGNMENT), dtype=torch.uint8, pin_memory=pin_memory
+        )
+        self.overflows = 0
         self._lock = threading.Lock()
-        self._free: List[torch.Tensor] = []  # uint8 buffers, by ascending size
+        # Free regions as (offset, size), by offset.
+        self._free: List[Tuple[int, int]] = [(0, self.reserve.numel())] if self.reserve.numel() else []
 
     def rows(self, tensors: Dict[str, torch.Tensor], **fields_) -> HostRows:
         """Empty host rows shaped like `tensors` (a forward's rows on the device), in one
-        buffer of the pool that returns to it with the rows."""
+        region that returns to the reserve with the rows."""
         sizes = [tensor.numel() * tensor.element_size() for tensor in tensors.values()]
-        buffer = self._take(sum(aligned(size, self.ALIGNMENT) for size in sizes))
-        views, offset = {}, 0
+        nbytes = sum(aligned(size, self.ALIGNMENT) for size in sizes)
+        offset = self._take(nbytes)
+        if offset is None:
+            buffer = self._overflow(nbytes)
+        else:
+            buffer = self.reserve[offset : offset + nbytes]
+        views, start = {}, 0
         for (name, tensor), size in zip(tensors.items(), sizes):
-            views[name] = buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape)
-            offset += aligned(size, self.ALIGNMENT)
+            views[name] = buffer[start : start + size].view(tensor.dtype).view(tensor.shape)
+            start += aligned(size, self.ALIGNMENT)
         rows = HostRows(**views, **fields_)
-        weakref.finalize(rows, self._give_back, buffer).atexit = False
+        if offset is not None:
+            weakref.finalize(rows, self._give_back, offset, nbytes).atexit = False
         return rows
 
-    def free_buffers(self) -> List[torch.Tensor]:
+    def free_regions(self) -> List[Tuple[int, int]]:
+        """The free regions of the reserve, (offset, size) by offset."""
         with self._lock:
             return list(self._free)
 
-    def _take(self, nbytes: int) -> torch.Tensor:
+    def _take(self, nbytes: int) -> Optional[int]:
+        nbytes = aligned(nbytes, self.REGION_ALIGNMENT)
         with self._lock:
-            for index, buffer in enumerate(self._free):
-                if buffer.numel() >= nbytes:
-                    return self._free.pop(index)
-        # At most an eighth more than asked for (2 MiB steps below 32 MiB).
-        size = aligned(nbytes, max(1 << 21, 1 << max(nbytes.bit_length() - 4, 0)))
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+            fitting = [i for i, (_, size) in enumerate(self._free) if size >= nbytes]
+            if not fitting:
+                return None
+            index = min(fitting, key=lambda i: self._free[i][1])
+            offset, size = self._free[index]
+            if size == nbytes:
+                del self._free[index]
+            else:
+                self._free[index] = (offset + nbytes, size - nbytes)
+            return offset
 
-    def _give_back(self, buffer: torch.Tensor) -> None:
+    def _give_back(self, offset: int, nbytes: int) -> None:
+        nbytes = aligned(nbytes, self.REGION_ALIGNMENT)
         with self._lock:
-            insort(self._free, buffer, key=torch.Tensor.numel)
+            insort(self._free, (offset, nbytes))
+            merged: List[Tuple[int, int]] = []
+            for start, size in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + size)
+                else:
+                    merged.append((start, size))
+            self._free = merged
+
+    def _overflow(self, nbytes: int) -> torch.Tensor:
+        self.overflows += 1
+        if self.overflows == 1:
+            logger.warning(
+                f"hidden states dump: a forward's rows ({nbytes >> 20} MiB) found no room in "
+                f"the {self.reserve.numel() >> 20} MiB of host memory reserved at startup; "
+                f"they get memory of their own, pinned now, on the scheduler thread. Raise "
+                f"SGLANG_HS_DUMP_HOST_MEMORY_MB if this happens often (the dump's log line "
+                f"counts host_overflows)."
+            )
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
 
 def aligned(nbytes: int, alignment: int) -> int:

@@ -14,6 +14,7 @@ logger = logging.getLogger(__name__)
 # exit, then every LOG_EVERY_FILES files or LOG_INTERVAL_S seconds.
 LOG_INTERVAL_S = 60.0
 LOG_EVERY_FILES = 1000
+ALWAYS_LOGGED = ("errors", "dropped", "discarded")
 
 
 class DumpStats:
@@ -32,9 +33,8 @@ class DumpStats:
             for name, value in (seconds or {}).items():
                 self._seconds[name] += value
             files = self._counts["files"]
-            due = bool(counts) and (
-                "files" not in counts
-                or files == 1
+            due = any(name in counts for name in ALWAYS_LOGGED) or "files" in counts and (
+                files == 1
                 or files % LOG_EVERY_FILES == 0
                 or time.monotonic() - self._last_log > LOG_INTERVAL_S
             )
