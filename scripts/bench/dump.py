@@ -15,7 +15,8 @@ Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - fp8: fp8 storage against the bf16 dump of the same prompts (every layer): per-layer
   relative error of each token's row, the floor of two bf16 dumps, and the bytes.
 - profile: the prefill workload on one dumping server run under py-spy: where the
-  scheduler's and the writer threads' CPU time goes (scripts/bench/profile.py).
+  scheduler's and the writer threads' CPU time goes (scripts/bench/profile.py); with
+  PY_SPY_GIL=1, where the time holding the interpreter lock goes.
 
 Every dumping server logs its dump timings as it exits (DumpTimings: scheduler time taking
 rows and blocked on a full queue, writer time waiting for copies, writing, and taking its
@@ -46,7 +47,7 @@ from typing import Dict, List, Optional, Tuple
 from scripts.bench.measure import (clear_files, dd_rate, filesystem, prompts_for, send_all, send_and_land,
                                    send_and_land_split, summary)
 from scripts.bench.profile import read_stacks, summarize
-from scripts.bench.run import BenchRun, total_rss_kib
+from scripts.bench.run import BenchRun, rss_parts_kib, total_rss_kib
 from scripts.dumps.server import Server, child_pids, has_gpu
 from scripts.dumps.tiny_model import ensure_model
 
@@ -80,6 +81,19 @@ PRESETS = {
                 tmpfs_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"},
                                 "1 layer": {"SGLANG_HS_DUMP_LAYERS": "3"},
                                 "16 writer threads": {"SGLANG_HS_DUMP_WRITER_THREADS": "16"}}),
+    # A TP8 rank's compute per token: one rank of DeepSeek-V3 / Kimi-K2.5 (61 layers, 58 of
+    # them MoE with 8 of 256 experts active, TP8) does about 9 GFLOP per token; 16 layers at
+    # DeepSeek width with this model's experts do about 6, so a prefill runs at the rate a
+    # rank's does and the dump must land what a rank's writer lands. Its 12 GB of weights per
+    # server fill the GPU's memory check when servers start together, so they start one
+    # after another. The gpu preset above stays the stress case.
+    "gpu-rank": dict(model=dict(layers=16, widths="deepseek", hidden_size=7168), prompts=256, prompt_len=512,
+                     repeats=11, start_one_at_a_time=True,
+                     server_args=SERVER_ARGS + ("--mem-fraction-static", "0.3", "--max-total-tokens", "262144",
+                                                "--disable-cuda-graph"),
+                     lengths=(512,), layer_counts=(1,), hidden_prompts=64, fidelity_prompts=16,
+                     tmpfs_dir="/dev/shm", tmpfs_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"}},
+                     disk_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"}}),
 }
 
 
@@ -102,16 +116,23 @@ def tmpfs_holds_a_round(model, preset) -> bool:
 
 
 def prefill_contenders(run: BenchRun) -> Dict[str, Tuple[Optional[Path], Dict[str, str]]]:
-    """Each prefill contender's dump directory (None: it does not dump) and environment."""
+    """Each prefill contender's dump directory (None: it does not dump) and environment;
+    run.contenders, when set, keeps the ones whose name it matches (and always dump off,
+    which the ratios divide by)."""
     preset = run.preset
     contenders = {"upstream": (None, {}), "patched, dump off": (None, {}),
                   "patched, dump on": (run.work / "dump-prefill", {})}
+    for index, (label, env) in enumerate(preset.get("disk_variants", {}).items()):
+        contenders[f"patched, dump on (disk, {label})"] = (run.work / f"dump-prefill-{index}", env)
     if tmpfs_holds_a_round(run.model, preset):
         # Memory takes bytes faster than the disk: what is left is the server's own cost.
         variants = {"": {}, **{f", {label}": env for label, env in preset.get("tmpfs_variants", {}).items()}}
         for index, (label, env) in enumerate(variants.items()):
             dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{index}-", dir=preset["tmpfs_dir"]))
             contenders[f"patched, dump on (tmpfs{label})"] = (dump_dir, env)
+    if run.contenders:
+        contenders = {name: contender for name, contender in contenders.items()
+                      if name == "patched, dump off" or re.search(run.contenders, name)}
     return contenders
 
 
@@ -150,6 +171,9 @@ def suite_prefill(run: BenchRun) -> dict:
     for index, (name, (dump_dir, env)) in enumerate(contenders.items()):
         env = dict(env, SGLANG_HS_DUMP_DIR=str(dump_dir)) if dump_dir else env
         servers[name] = run.start_server(f"prefill-{index}", env, tree=upstream_tree() if name == "upstream" else None)
+        if preset.get("start_one_at_a_time"):
+            servers[name].wait_ready()
+            run.progress(f"prefill: {name} ready")
     tokens = preset["prompts"] * preset["prompt_len"]
     names = list(servers)
     seconds = {name: [] for name in names}
@@ -161,8 +185,10 @@ def suite_prefill(run: BenchRun) -> dict:
         rounds = min(len(values) for values in seconds.values())
         per_round = {name: values[:rounds] for name, values in seconds.items()}
         off = per_round["patched, dump off"]
-        ratios = {"patched off / upstream": [u / o for u, o in zip(per_round["upstream"], off)]}
-        for name in names[2:]:
+        ratios = {}
+        if "upstream" in per_round:
+            ratios["patched off / upstream"] = [u / o for u, o in zip(per_round["upstream"], off)]
+        for name in (name for name in names if dumps[name]):
             ratios[f"{name.replace('patched, ', '')} / dump off"] = [o / d for o, d in zip(off, per_round[name])]
         return {"prompt_tokens_per_s": {name: summary([tokens / s for s in values]) for name, values in per_round.items()},
                 "throughput_ratio": {name: summary(values) for name, values in ratios.items()},
@@ -172,6 +198,7 @@ def suite_prefill(run: BenchRun) -> dict:
                 "prompt_tokens_per_s_to_last_response": {name: summary([tokens / s for s in values[:rounds]])
                                                          for name, values in responded.items() if dumps[name]},
                 "rounds": rounds, "server_rss_kib": rss, "dump_profile": profiles,
+                "contenders_started": "one after another" if preset.get("start_one_at_a_time") else "at once",
                 "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens, 1 output token; "
                             f"dump files removed after each round"}
 
@@ -197,7 +224,7 @@ def suite_prefill(run: BenchRun) -> dict:
                 clear_files(dumps[name])
             run.checkpoint(result())
             run.progress(f"prefill: round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.2f}s" for n, s in seconds.items()))
-        rss = {name: total_rss_kib(server) for name, server in servers.items()}
+        rss = {name: rss_parts_kib(server) for name, server in servers.items()}
     finally:
         stop_all(servers.values())  # a dumping server logs its timings as it exits
     return result(rss, {name: dump_profile(servers[name], measured[name]) for name in names if dumps[name]})
@@ -430,8 +457,11 @@ def suite_profile(run: BenchRun) -> dict:
     raw = run.work / "py-spy-raw.txt"
     # py-spy starts the server, so it may read the server's memory without ptrace rights;
     # --nonblocking samples without pausing it.
+    # PY_SPY_GIL=1: only samples of threads holding the interpreter lock, so each thread's
+    # seconds are its time holding the lock the scheduler's event loop also needs.
+    gil_only = os.environ.get("PY_SPY_GIL") == "1"
     launcher = [py_spy, "record", "--subprocesses", "--nonblocking", "--rate", str(PY_SPY_RATE),
-                "--format", "raw", "-o", str(raw), "--"]
+                *(["--gil"] if gil_only else []), "--format", "raw", "-o", str(raw), "--"]
     server = run.start_server("profile", {"SGLANG_HS_DUMP_DIR": str(dump_dir)}, launcher=launcher)
     seconds = 0.0
     try:
@@ -453,7 +483,7 @@ def suite_profile(run: BenchRun) -> dict:
         stop_process_group(server)
     if not raw.exists():
         return {"skipped": "py-spy wrote no profile", "log_tail": server.log()[-2000:]}
-    return {"filesystem": filesystem(dump_dir), "dumping_rounds_s": round(seconds, 2),
+    return {"filesystem": filesystem(dump_dir), "dumping_rounds_s": round(seconds, 2), "gil_only": gil_only,
             "profile": summarize(read_stacks(raw), PY_SPY_RATE), "dump_profile": dump_profile(server, seconds)}
 
 
@@ -467,6 +497,8 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if has_gpu() else "cpu")
     parser.add_argument("--work-dir", type=Path, default=None, help="dump dirs and server logs (default: a temp dir)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--contenders", default=None,
+                        help="prefill suite: keep the contenders whose name this regex matches (and dump off)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no new round this many seconds after the start (each comparison keeps one)")
     args = parser.parse_args(argv)
@@ -474,7 +506,7 @@ def main(argv=None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-dump-"))
     work.mkdir(parents=True, exist_ok=True)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    run = BenchRun(preset, ensure_model(**preset["model"]), work, args.out, results)
+    run = BenchRun(preset, ensure_model(**preset["model"]), work, args.out, results, contenders=args.contenders)
     if args.deadline_s is not None:
         run.deadline = run.started + args.deadline_s
     run.progress(f"model ready: {run.model}")

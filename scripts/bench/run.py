@@ -20,6 +20,7 @@ class BenchRun:
     deadline: float = float("inf")  # time.monotonic() after which no new round starts
     started: float = field(default_factory=time.monotonic)
     suite: Optional[str] = None  # the suite running now, whose partial results checkpoint() saves
+    contenders: Optional[str] = None  # a regex: the prefill suite keeps the contenders it matches
 
     def progress(self, message: str) -> None:
         print(f"[{time.monotonic() - self.started:7.1f}s] {message}", flush=True)
@@ -52,3 +53,10 @@ class BenchRun:
 def total_rss_kib(server: Server) -> int:
     """Resident memory of all of a server's processes, in KiB."""
     return sum(server.resident_memory_kb().values())
+
+
+def rss_parts_kib(server: Server) -> Dict[str, int]:
+    """Resident memory of all of a server's processes by kind, in KiB: anonymous (the
+    processes' own), file-backed (mapped files, e.g. weights read through mmap, which the
+    page cache may hold for other processes too) and shared memory."""
+    return {field: sum(server.resident_memory_kb(field).values()) for field in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}

@@ -1,7 +1,7 @@
 """The dump writer alone: bytes/s it lands on a filesystem with 1, 2, 4, 8, 16 writer threads,
 against `dd conv=fsync` to the same directory, alternating the contenders each round.
 
-    python -m scripts.bench.writer --dir DIR [--hidden-size 7168] [--tokens 512] [--files 64] --out FILE.json
+    python -m scripts.bench.writer --dir DIR [--hidden-size 7168] [--tokens 512] [--files 64] [--threads N] [--fp8] --out FILE.json
 
 Each job is one request of `--tokens` prompt tokens with EAGLE-3's three layers and the
 final state in bf16 (hidden size 7168: 57 KB per token, 29 MB per 512-token file), handed
@@ -29,22 +29,23 @@ NUM_MODEL_LAYERS = 61
 THREAD_COUNTS = (1, 2, 4, 8, 16)
 
 
-def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int) -> float:
+def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int, fp8: bool = False) -> float:
     """Bytes/s landed by the dump's writer fed `files` requests the way the dumper feeds it
-    once a request's prompt is complete."""
-    from sglang.srt.hidden_states_dump.format import file_metadata
+    once a request's prompt is complete (fp8: rows and scales as SGLANG_HS_DUMP_DTYPE=fp8 makes them)."""
+    from sglang.srt.hidden_states_dump.format import file_metadata, quantize_rows
     from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostRows
     from sglang.srt.hidden_states_dump.requests import DumpRequest
     from sglang.srt.hidden_states_dump.writer import DumpWriter
 
     directory.mkdir()
-    rows = HostRows(
-        token_ids=torch.arange(tokens, dtype=torch.int64),
-        hidden_states=torch.randn(tokens, len(LAYER_IDS), hidden_size).to(torch.bfloat16),
-        last_hidden_state=torch.randn(tokens, hidden_size).to(torch.bfloat16),
-        ready=None,
-    )
-    metadata = file_metadata(LAYER_IDS, NUM_MODEL_LAYERS, "bench", sglang_version="bench", series_version="bench")
+    states = {"hidden_states": torch.randn(tokens, len(LAYER_IDS), hidden_size).to(torch.bfloat16),
+              "last_hidden_state": torch.randn(tokens, hidden_size).to(torch.bfloat16)}
+    if fp8:
+        for name in list(states):
+            states[name], states[f"{name}_scale"] = quantize_rows(states[name])
+    rows = HostRows(token_ids=torch.arange(tokens, dtype=torch.int64), ready=None, **states)
+    metadata = file_metadata(LAYER_IDS, NUM_MODEL_LAYERS, "bench", sglang_version="bench", series_version="bench",
+                             fp8=fp8)
     writer = DumpWriter(str(directory), metadata, queue_size=files, on_full_queue="block", threads=threads,
                         manifest_name=MANIFEST_NAME)
     started = time.perf_counter()
@@ -67,14 +68,17 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=512, help="prompt tokens per file")
     parser.add_argument("--files", type=int, default=64, help="files per round and contender")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, action="append", default=None,
+                        help=f"writer threads to measure (may repeat; default {', '.join(map(str, THREAD_COUNTS))})")
+    parser.add_argument("--fp8", action="store_true", help="fp8 rows and scales (SGLANG_HS_DUMP_DTYPE=fp8)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
     args.dir.mkdir(parents=True, exist_ok=True)
-    file_bytes = args.tokens * (len(LAYER_IDS) + 1) * args.hidden_size * 2
+    file_bytes = args.tokens * (len(LAYER_IDS) + 1) * args.hidden_size * (1 if args.fp8 else 2)
     megabytes = max(1, file_bytes * args.files // 2**20)
     rates = {"dd conv=fsync": []}
-    rates.update({f"writer, {n} threads": [] for n in THREAD_COUNTS})
+    rates.update({f"writer, {n} threads": [] for n in args.threads or THREAD_COUNTS})
     for round_index in range(args.repeats):
         names = list(rates)
         shift = round_index % len(names)
@@ -84,12 +88,13 @@ def main(argv=None) -> int:
             else:
                 threads = int(name.split()[1])
                 rates[name].append(writer_rate(args.dir / f"round{round_index}-{threads}", threads,
-                                               args.hidden_size, args.tokens, args.files))
+                                               args.hidden_size, args.tokens, args.files, args.fp8))
     results = {
         "bytes_per_s": {name: summary(values) for name, values in rates.items()},
         "ratio to dd": {name: summary([r / d for r, d in zip(values, rates["dd conv=fsync"])])
                         for name, values in rates.items() if not name.startswith("dd")},
-        "workload": f"{args.files} files x {args.tokens} tokens x ({len(LAYER_IDS)}+1) x {args.hidden_size} bf16 "
+        "workload": f"{args.files} files x {args.tokens} tokens x ({len(LAYER_IDS)}+1) x {args.hidden_size} "
+                    f"{'fp8 with a scale per row' if args.fp8 else 'bf16'} "
                     f"({file_bytes / 2**20:.1f} MiB each) per round and contender; dd writes the same bytes",
         "filesystem": filesystem(args.dir),
         "cpus": os.cpu_count(),

@@ -183,8 +183,9 @@ class Server:
             todo += child_pids(pid)
         return pids
 
-    def resident_memory_kb(self) -> Dict[str, int]:
-        """VmRSS of each process of the server, by its name (`sglang::scheduler`, ...)."""
+    def resident_memory_kb(self, field: str = "VmRSS") -> Dict[str, int]:
+        """VmRSS (or another /proc/<pid>/status field in kB: RssAnon, RssFile, RssShmem) of
+        each process of the server, by its name (`sglang::scheduler`, ...)."""
         memory = {}
         for pid in self.processes():
             try:
@@ -192,7 +193,7 @@ class Server:
                 name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode() or str(pid)
             except OSError:
                 continue
-            rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+            rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith(f"{field}:")), 0)
             memory[name if name not in memory else f"{name}[{pid}]"] = rss
         return memory
 

@@ -2,7 +2,10 @@
 # Runs ON the GPU machine, from the repository root, with .devcarry/site.tar.xz carried:
 # the benchmark suites named as arguments, upstream and patched trees side by side.
 # `writer` runs scripts/bench/writer.py (the dump writer alone, on the disk and on
-# /dev/shm), `pinned` scripts/bench/pinned.py (pinned host allocations, cold and warm); any other name is a scripts/bench/dump.py suite. BENCH_DEADLINE_S, when set,
+# /dev/shm), `writer-disk` the writer alone on the disk with 4 threads in bf16 and fp8,
+# `pinned` scripts/bench/pinned.py (pinned host allocations, cold and warm); any other name
+# is a scripts/bench/dump.py suite, run with the preset BENCH_PRESET (default gpu; gpu-rank:
+# a TP8 rank's compute) and, when set, --contenders "$BENCH_CONTENDERS". BENCH_DEADLINE_S, when set,
 # is bench_dump's --deadline-s; BENCH_TIMEOUT_S, when set, stops bench_dump after that
 # many seconds, so its log and the servers' logs still reach $OUT before the call's own
 # limit. Results land in $OUT/bench-*.json, bench_dump's output in $OUT/bench-gpu*.log as
@@ -29,6 +32,17 @@ for suite in "$@"; do
             tail -n 3 "$OUT/bench-writer-$name.txt"
             rm -rf "$target"
         done
+    elif [ "$suite" = writer-disk ]; then
+        # The writer alone on the disk with the server's default threads, bf16 and fp8: what
+        # the gpu-rank preset's disk contenders are held against.
+        for encoding in bf16 fp8; do
+            flag=()
+            [ "$encoding" = fp8 ] && flag=(--fp8)
+            python3 -m scripts.bench.writer --dir /tmp/bench-writer --files 64 --repeats 3 --threads 4 "${flag[@]}" \
+                --out "$OUT/bench-writer-disk-$encoding.json" > "$OUT/bench-writer-disk-$encoding.txt" 2>&1 || status=1
+            tail -n 3 "$OUT/bench-writer-disk-$encoding.txt"
+            rm -rf /tmp/bench-writer
+        done
     elif [ "$suite" = pinned ]; then
         python3 -m scripts.bench.pinned --out "$OUT/bench-pinned.json" > "$OUT/bench-pinned.txt" 2>&1 || status=1
         tail -n 12 "$OUT/bench-pinned.txt"
@@ -41,11 +55,13 @@ done
 WORK_ROOT=${BENCH_WORK_ROOT:-/tmp}
 deadline=()
 [ -n "${BENCH_DEADLINE_S:-}" ] && deadline=(--deadline-s "$BENCH_DEADLINE_S")
+contenders=()  # BENCH_CONTENDERS: the prefill suite's --contenders regex
+[ -n "${BENCH_CONTENDERS:-}" ] && contenders=(--contenders "$BENCH_CONTENDERS")
 bench_dump() {  # bench_dump NAME SUITE_ARGS...: one bench_dump process, its results and log named NAME
     local name=$1
     shift
     timeout "${BENCH_TIMEOUT_S:-0}" python3 -m scripts.bench.dump "$@" "${deadline[@]}" \
-        --preset gpu --work-dir "$WORK_ROOT/bench-$name" --out "$OUT/bench-$name.json" > "$OUT/bench-$name.log" 2>&1
+        --preset "${BENCH_PRESET:-gpu}" "${contenders[@]}" --work-dir "$WORK_ROOT/bench-$name" --out "$OUT/bench-$name.json" > "$OUT/bench-$name.log" 2>&1
     local code=$?
     tail -n 30 "$WORK_ROOT/bench-$name"/*.log > "$OUT/server-logs-tail-$name.txt" 2>/dev/null
     gzip -c "$WORK_ROOT/bench-$name"/py-spy-raw.txt > "$OUT/py-spy-raw-$name.txt.gz" 2>/dev/null || rm -f "$OUT/py-spy-raw-$name.txt.gz"
