@@ -85,8 +85,8 @@ PRESETS = {
     # them MoE with 8 of 256 experts active, TP8) does about 9 GFLOP per token; 16 layers at
     # DeepSeek width with this model's experts do about 6, so a prefill runs at the rate a
     # rank's does and the dump must land what a rank's writer lands. Its 12 GB of weights per
-    # server fill the GPU's memory check when servers start together, so they start one
-    # after another. The gpu preset above stays the stress case.
+    # server fill the GPU's memory check when servers start together, so each starts once
+    # the one before has loaded. The gpu preset above stays the stress case.
     "gpu-rank": dict(model=dict(layers=16, widths="deepseek", hidden_size=7168), prompts=256, prompt_len=512,
                      repeats=11, start_one_at_a_time=True,
                      server_args=SERVER_ARGS + ("--mem-fraction-static", "0.3", "--max-total-tokens", "262144",
@@ -172,8 +172,10 @@ def suite_prefill(run: BenchRun) -> dict:
         env = dict(env, SGLANG_HS_DUMP_DIR=str(dump_dir)) if dump_dir else env
         servers[name] = run.start_server(f"prefill-{index}", env, tree=upstream_tree() if name == "upstream" else None)
         if preset.get("start_one_at_a_time"):
-            servers[name].wait_ready()
-            run.progress(f"prefill: {name} ready")
+            # Past its memory check (which counts what others take meanwhile as its own);
+            # the warmups, which compile kernels for a minute, overlap.
+            servers[name].wait_listening()
+            run.progress(f"prefill: {name} loaded")
     tokens = preset["prompts"] * preset["prompt_len"]
     names = list(servers)
     seconds = {name: [] for name in names}

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from scripts.paths import REPO_ROOT
 
 READY_LINE = "The server is fired up and ready to roll!"
+LISTENING_LINE = "Uvicorn running on"  # uvicorn starts once the scheduler has loaded the model
 PR_SET_PDEATHSIG = 1
 
 
@@ -131,15 +132,23 @@ class Server:
 
     def wait_ready(self, timeout: float = 600) -> "Server":
         """Return once warmup is done; raise ServerFailed (with the log) if the server exits or times out."""
+        return self._wait_for_line(READY_LINE, "ready", timeout)
+
+    def wait_listening(self, timeout: float = 600) -> "Server":
+        """Return once the HTTP server listens: the model is loaded and its memory taken,
+        warmup has yet to run. Raises ServerFailed as wait_ready does."""
+        return self._wait_for_line(LISTENING_LINE, "listening", timeout)
+
+    def _wait_for_line(self, line: str, what: str, timeout: float) -> "Server":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if READY_LINE in self.log():
+            if line in self.log():
                 return self
             if self.process.poll() is not None:
-                raise ServerFailed(f"server exited with code {self.process.returncode} before it was ready:\n"
+                raise ServerFailed(f"server exited with code {self.process.returncode} before it was {what}:\n"
                                    f"{self.log()[-6000:]}")
             time.sleep(0.5)
-        raise ServerFailed(f"server not ready after {timeout:.0f}s:\n{self.log()[-6000:]}")
+        raise ServerFailed(f"server not {what} after {timeout:.0f}s:\n{self.log()[-6000:]}")
 
     def wait_exit(self, timeout: float) -> int:
         try:

@@ -47,7 +47,7 @@ def test_a_forwards_region_comes_back_once_every_file_reading_it_is_written(dump
 def test_rows_that_find_no_room_get_memory_of_their_own_and_are_counted(dump_dir):
     # A reserve too small for one forward: every forward overflows, and still dumps its rows.
     dumper = start_dumper(dump_dir, [1, 2], reserve_bytes=4096)
-    requests = {f"big-{i}": prompt(1000 + 100 * i, 64) for i in range(3)}
+    requests = {f"big-{i}": prompt(1000 + 1000 * i, 200) for i in range(3)}  # 8.8 KB of rows each
     for rid, tokens in requests.items():
         run_forward(dumper, [(DumpRequest(rid, len(tokens)), tokens, 0)])
     lines = wait_for_writer(dumper, dump_dir)
@@ -88,3 +88,13 @@ def test_a_forward_takes_the_smallest_free_region_that_holds_its_rows_and_free_n
     assert pool.free_regions() == [(0, 72 * MIB), (121 * MIB, 7 * MIB)]
     del small, last, too_big
     assert pool.free_regions() == [(0, 128 * MIB)]
+
+
+def test_the_reserve_is_on_the_host_whatever_the_default_device():
+    # The model is built under the GPU's default device; the reserve and overflow rows
+    # must still be host memory (pinning anything else raises).
+    with torch.device("meta"):
+        pool = HostBuffers(reserve_bytes=MIB, pin_memory=False)
+        inside, outside = rows_of(pool, 1), rows_of(pool, 2)
+    assert pool.reserve.device.type == "cpu"
+    assert inside.hidden_states.device.type == outside.hidden_states.device.type == "cpu"

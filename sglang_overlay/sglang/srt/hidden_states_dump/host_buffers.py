@@ -65,8 +65,12 @@ class HostBuffers:
 
     def __init__(self, reserve_bytes: int, pin_memory: bool):
         self.pin_memory = pin_memory
+        # On the host whatever the default device (the model is being built under the GPU's).
         self.reserve = torch.empty(
-            aligned(reserve_bytes, self.REGION_ALIGNMENT), dtype=torch.uint8, pin_memory=pin_memory
+            aligned(reserve_bytes, self.REGION_ALIGNMENT),
+            dtype=torch.uint8,
+            device="cpu",
+            pin_memory=pin_memory,
         )
         self.overflows = 0
         self._lock = threading.Lock()
@@ -127,13 +131,13 @@ class HostBuffers:
         self.overflows += 1
         if self.overflows == 1:
             logger.warning(
-                f"hidden states dump: a forward's rows ({nbytes >> 20} MiB) found no room in "
-                f"the {self.reserve.numel() >> 20} MiB of host memory reserved at startup; "
+                f"hidden states dump: a forward's rows ({nbytes / 2**20:.1f} MiB) found no room in "
+                f"the {self.reserve.numel() / 2**20:.1f} MiB of host memory reserved at startup; "
                 f"they get memory of their own, pinned now, on the scheduler thread. Raise "
                 f"SGLANG_HS_DUMP_HOST_MEMORY_MB if this happens often (the dump's log line "
                 f"counts host_overflows)."
             )
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
 
 
 def aligned(nbytes: int, alignment: int) -> int:
