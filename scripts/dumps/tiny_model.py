@@ -1,12 +1,15 @@
 """Generate reduced-layer DeepSeek-V3 models locally: random weights, fixed seed, no model hub.
 
-    python -m scripts.dumps.tiny_model --layers 3 [--no-q-lora] [--widths cpu|deepseek] [--kimi-k25]
+    python -m scripts.dumps.tiny_model --layers 3 [--no-q-lora] [--widths cpu|deepseek] [--kimi-k25 [--int4 [--dequantized]]]
 
 prints the model folder (cached under .cache/models/). `cpu` widths are the smallest
 that SGLang's CPU path runs; `deepseek` keeps DeepSeek-V3's real attention widths
 (kv_lora_rank 512, qk_rope_head_dim 64), which SGLang's Triton MLA kernels on the GPU
 require, and can take DeepSeek-V3's hidden size for compute-bound benchmarks.
-`--kimi-k25` wraps that model as the text model of a reduced Kimi-K2.5.
+`--kimi-k25` wraps that model as the text model of a reduced Kimi-K2.5; `--int4` stores it
+as Moonshot's INT4 release does (routed experts pack-quantized to 4 bits, scripts/dumps/int4_weights.py),
+and `--dequantized` prints instead the bf16 DeepSeek-V3 its packed weights decode to, which
+transformers runs as the reference.
 """
 
 import argparse
@@ -141,16 +144,17 @@ KIMI_PROCESSOR = Path(__file__).with_name("tiny_kimi_processor.py")
 
 
 def ensure_kimi_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
-                      hidden_size: Optional[int] = None, cache: Path = MODEL_CACHE) -> Path:
+                      hidden_size: Optional[int] = None, cache: Path = MODEL_CACHE, int4: bool = False) -> Path:
     """A reduced Kimi-K2.5 (KimiK25ForConditionalGeneration), generated on first use: the
     tiny DeepSeek-V3 `ensure_model` makes of these arguments as its text model, its weights under
     `language_model.` as in Kimi-K2.5's checkpoint, a one-layer vision tower, the tiny
     tokenizer, and a processor of its own (tiny_kimi_processor.py) that SGLang loads with
-    --trust-remote-code, as Kimi-K2.5's."""
+    --trust-remote-code, as Kimi-K2.5's. With `int4`, in Moonshot's INT4 release format: the
+    routed experts packed by compressed-tensors, the text config's quantization_config saying so."""
     from scripts.dumps.tiny_tokenizer import write_tokenizer
 
     text_model = ensure_model(layers, q_lora, widths, hidden_size, cache)
-    path = cache / f"kimi-k25-{text_model.name}"
+    path = cache / f"kimi-k25-{'int4-' if int4 else ''}{text_model.name}"
     if (path / "config.json").exists() and any(path.glob("*.safetensors")):
         return path
     from safetensors.torch import load_file, save_file
@@ -160,8 +164,13 @@ def ensure_kimi_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
     weights = {}
     for file in sorted(text_model.glob("*.safetensors")):
         weights.update({f"language_model.{name}": tensor for name, tensor in load_file(file).items()})
-    save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
     text_config = json.loads((text_model / "config.json").read_text())
+    if int4:
+        from scripts.dumps.int4_weights import QUANTIZATION_CONFIG, pack
+
+        weights = pack(weights)
+        text_config["quantization_config"] = QUANTIZATION_CONFIG
+    save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
     config = {
         "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
         "text_config": text_config, "vision_config": dict(KIMI_VISION, text_hidden_size=text_config["hidden_size"]),
@@ -177,6 +186,32 @@ def ensure_kimi_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
     return path
 
 
+def ensure_dequantized_int4_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
+                                  hidden_size: Optional[int] = None, cache: Path = MODEL_CACHE) -> Path:
+    """The text model of `ensure_kimi_model(..., int4=True)` as a bf16 DeepSeek-V3 that
+    transformers loads: its packed experts decoded by compressed-tensors, everything else as
+    stored. Generated on first use."""
+    from safetensors.torch import load_file, save_file
+    from scripts.dumps.int4_weights import decode
+    from scripts.dumps.tiny_tokenizer import write_tokenizer
+
+    int4_model = ensure_kimi_model(layers, q_lora, widths, hidden_size, cache, int4=True)
+    path = cache / f"{int4_model.name}-dequantized"
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return path
+    staging = path.with_name(path.name + ".tmp")
+    staging.mkdir(parents=True, exist_ok=True)
+    stored = load_file(int4_model / "model.safetensors")
+    weights = {name.removeprefix("language_model."): tensor for name, tensor in decode(stored).items()}
+    save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+    text_config = json.loads((int4_model / "config.json").read_text())["text_config"]
+    del text_config["quantization_config"]
+    (staging / "config.json").write_text(json.dumps(text_config, indent=2))
+    write_tokenizer(staging)
+    staging.rename(path)
+    return path
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=3)
@@ -184,9 +219,21 @@ def main(argv=None) -> None:
     parser.add_argument("--widths", choices=sorted(WIDTHS), default="cpu")
     parser.add_argument("--hidden-size", type=int, default=None, help="e.g. 7168, DeepSeek-V3's")
     parser.add_argument("--kimi-k25", action="store_true", help="a reduced Kimi-K2.5 with that text model")
+    parser.add_argument("--int4", action="store_true", help="with --kimi-k25: in Moonshot's INT4 release format")
+    parser.add_argument("--dequantized", action="store_true",
+                        help="with --int4: the bf16 DeepSeek-V3 the INT4 model's weights decode to")
     args = parser.parse_args(argv)
-    ensure = ensure_kimi_model if args.kimi_k25 else ensure_model
-    print(ensure(args.layers, not args.no_q_lora, args.widths, args.hidden_size))
+    if args.int4 and not args.kimi_k25:
+        parser.error("--int4 is a format of the reduced Kimi-K2.5: give --kimi-k25 with it")
+    if args.dequantized and not args.int4:
+        parser.error("--dequantized is the decoded twin of an INT4 model: give --kimi-k25 --int4 with it")
+    shape = (args.layers, not args.no_q_lora, args.widths, args.hidden_size)
+    if args.dequantized:
+        print(ensure_dequantized_int4_model(*shape))
+    elif args.kimi_k25:
+        print(ensure_kimi_model(*shape, int4=args.int4))
+    else:
+        print(ensure_model(*shape))
 
 
 if __name__ == "__main__":
