@@ -13,7 +13,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from sglang.srt.hidden_states_dump import lifecycle
-from sglang.srt.hidden_states_dump.config import DumpConfig, check_dump_dir
+from sglang.srt.hidden_states_dump.config import (
+    DumpConfig,
+    check_dump_dir,
+    data_parallel_rank,
+)
 from sglang.srt.hidden_states_dump.eagle3_layers import (
     draft_layer_ids,
     eagle3_model_class,
@@ -56,8 +60,9 @@ class PartialPrompt:
 
 
 def server_args_and_ranks():
-    """This process's server arguments and its (attention-TP rank, attention-DP rank or 0
-    without DP attention, last pipeline stage?). 0.5.23 serves them from
+    """This process's server arguments and its (attention-TP rank, data-parallel rank,
+    last pipeline stage?). The data-parallel rank is the attention-DP rank under DP
+    attention, else the replica's rank under --dp-size (0 without). 0.5.23 serves them from
     sglang.srt.runtime_context (get_global_server_args is retired there); older releases
     from module-level getters."""
     try:
@@ -71,10 +76,16 @@ def server_args_and_ranks():
         from sglang.srt.server_args import get_global_server_args
 
         server_args = get_global_server_args()
-        dp_rank = get_attention_dp_rank() if server_args.enable_dp_attention else 0
+        if server_args.enable_dp_attention:
+            dp_rank = get_attention_dp_rank()
+        else:
+            dp_rank = data_parallel_rank() or 0
         return server_args, (get_attention_tp_rank(), dp_rank, get_pp_group().is_last_rank)
     server_args, parallel = get_server_args(), get_parallel()
-    dp_rank = parallel.attn_dp_rank if server_args.enable_dp_attention else 0
+    if server_args.enable_dp_attention:
+        dp_rank = parallel.attn_dp_rank
+    else:
+        dp_rank = data_parallel_rank() or 0
     return server_args, (parallel.attn_tp_rank, dp_rank, parallel.pp_group.is_last_rank)
 
 

@@ -22,6 +22,20 @@ MAX_WRITER_ID_LENGTH = 64
 DP_RANK_SUFFIX = re.compile(r"(?:^|-)dp[0-9]+$")  # a writer id must not read as a rank
 
 
+# This process's replica of a data-parallel server (--dp-size without DP attention), which
+# the scheduler process sets before it builds the model; None: not such a replica.
+_data_parallel_rank: Optional[int] = None
+
+
+def set_data_parallel_rank(dp_rank: Optional[int]) -> None:
+    global _data_parallel_rank
+    _data_parallel_rank = dp_rank
+
+
+def data_parallel_rank() -> Optional[int]:
+    return _data_parallel_rank
+
+
 @lru_cache(maxsize=1)
 def dump_enabled() -> bool:
     """The hot path's one check (cached: the environment is read once)."""

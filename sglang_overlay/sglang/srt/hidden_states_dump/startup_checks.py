@@ -52,6 +52,11 @@ PATCH_MARKERS = (
         ("sglang.srt.managers.scheduler",),
         "drain_writers_at_exit",
     ),
+    PatchMarker(
+        "name-each-data-parallel-replicas-manifest",
+        ("sglang.srt.managers.scheduler",),
+        "set_data_parallel_rank",
+    ),
 )
 
 
