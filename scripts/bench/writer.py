@@ -29,9 +29,11 @@ NUM_MODEL_LAYERS = 61
 THREAD_COUNTS = (1, 2, 4, 8, 16)
 
 
-def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int) -> float:
-    """Bytes/s landed by the dump's writer fed `files` requests the way the dumper feeds it
-    once a request's prompt is complete."""
+def write_dump(directory: Path, threads: int, hidden_size: int, tokens: int, files: int,
+               layer_ids=tuple(LAYER_IDS), eagle3_draft_layer_ids=None) -> float:
+    """Seconds the dump's writer takes to land `files` requests of `layer_ids` in `directory`
+    (a new folder), fed the way the dumper feeds it once a request's prompt is complete.
+    `eagle3_draft_layer_ids`: what the files' metadata says SGLang's draft configs name."""
     from sglang.srt.hidden_states_dump.format import file_metadata
     from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostRows
     from sglang.srt.hidden_states_dump.requests import DumpRequest
@@ -40,11 +42,12 @@ def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, fi
     directory.mkdir()
     rows = HostRows(
         token_ids=torch.arange(tokens, dtype=torch.int64),
-        hidden_states=torch.randn(tokens, len(LAYER_IDS), hidden_size).to(torch.bfloat16),
+        hidden_states=torch.randn(tokens, len(layer_ids), hidden_size).to(torch.bfloat16),
         last_hidden_state=torch.randn(tokens, hidden_size).to(torch.bfloat16),
         ready=None,
     )
-    metadata = file_metadata(LAYER_IDS, NUM_MODEL_LAYERS, "bench", sglang_version="bench", series_version="bench")
+    metadata = file_metadata(list(layer_ids), NUM_MODEL_LAYERS, "bench", sglang_version="bench", series_version="bench",
+                             eagle3_draft_layer_ids=eagle3_draft_layer_ids)
     writer = DumpWriter(str(directory), metadata, queue_size=files, on_full_queue="block", threads=threads,
                         manifest_name=MANIFEST_NAME)
     started = time.perf_counter()
@@ -52,10 +55,16 @@ def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, fi
         writer.submit(DumpRequest(f"bench-{i}", tokens), [Chunk(rows, 0, tokens)])
     wait_for_lines(ManifestFollower(str(directory)), files, started, timeout=600)
     seconds = time.perf_counter() - started
-    written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     counters = writer.counters()
     if counters.errors:
         raise SystemExit(f"the writer failed: {counters.line()}")
+    return seconds
+
+
+def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int) -> float:
+    """Bytes/s landed by the dump's writer."""
+    seconds = write_dump(directory, threads, hidden_size, tokens, files)
+    written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     shutil.rmtree(directory)
     return written / seconds
 
