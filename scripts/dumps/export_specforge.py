@@ -66,8 +66,8 @@ def sample_path(out_dir: Path, idx: int, compress: bool = False) -> Path:
 def sample(dump_dir: Path, entry: dict, loss_mask: List[int], layers: Optional[List[int]]) -> Dict[str, torch.Tensor]:
     record = load_dump(str(dump_dir / entry["file"]))
     hidden_states = record.hidden_states
-    if layers is not None:
-        hidden_states = hidden_states[:, layer_columns(record.layer_ids, layers)]
+    if layers is not None:  # a gather: torch.save of a view would store the whole dump tensor
+        hidden_states = hidden_states.index_select(1, torch.tensor(layer_columns(record.layer_ids, layers)))
     num_tokens, num_layers, hidden_size = hidden_states.shape
     return {
         "input_ids": record.token_ids.to(torch.long),

@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from scripts.dump_format import FP8_ENCODING, DumpRecord, dequantize_rows, load_dump
+from scripts.dump_format import FP8_ENCODING, DumpRecord, dequantize_rows, load_dump, safetensors_header, tensor_bytes
 from scripts.dumps.draft_config import speculators_values, write_values
 from scripts.dumps.exporting import (
     claim_folder,
@@ -82,10 +82,12 @@ def speculators_tensors(record: DumpRecord, picked: List[int], fp8: bool) -> Dic
     """A file's tensors for speculators: the picked layers as they are (a record read
     dequantized), or with `fp8` (a record read raw) in speculators' fp8 form, float8 e4m3
     with one float32 scale per token across the layers, quantized by its own function."""
-    tensors = {"token_ids": record.token_ids.to(torch.int64).contiguous()}
-    hidden_states = record.hidden_states[:, picked]
+    tensors = {"token_ids": record.token_ids.to(torch.int64)}
+    # The dump's own tensor when every layer is taken in its order (no copy), else a gather.
+    hidden_states = (record.hidden_states if picked == list(range(record.hidden_states.shape[1]))
+                     else record.hidden_states.index_select(1, torch.tensor(picked)))
     if not fp8:
-        tensors["hidden_states"] = hidden_states.contiguous()
+        tensors["hidden_states"] = hidden_states
         return tensors
     from hs_connectors.fp8_utils import SCALES_KEY, quantize_tensor_to_fp8
 
@@ -95,11 +97,19 @@ def speculators_tensors(record: DumpRecord, picked: List[int], fp8: bool) -> Dic
     return tensors
 
 
+def save_safetensors(tensors: Dict[str, torch.Tensor], path: Path) -> None:
+    """A safetensors file written straight from the tensors' memory, with no serialized copy
+    (the dump's writer does the same, with the same header builder)."""
+    num_tokens = tensors["token_ids"].shape[0]
+    with open(path, "wb") as f:
+        f.write(safetensors_header({name: [tensor] for name, tensor in tensors.items()}, num_tokens, {}))
+        for tensor in tensors.values():
+            f.write(tensor_bytes(tensor))
+
+
 def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None, aux_layers: Optional[List[int]] = None,
            draft_config: Optional[Path] = None, threads: int = 4, fp8: bool = False) -> ByteTally:
     """Write every sample in speculators' layout (or the ones an earlier run left)."""
-    from safetensors.torch import save_file
-
     samples = training_samples(dump_dir, samples_file)
     if not samples:
         raise ToolError(f"{dump_dir}: no samples to export")
@@ -119,7 +129,7 @@ def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None, a
             raise ToolError(f"{entry['file']} holds the layers {record.layer_ids}, {samples[0][0]['file']} "
                             f"{first.layer_ids}: one export takes one dump configuration")
         tensors = speculators_tensors(record, picked, fp8)
-        written = write_atomically(path, lambda temp: save_file(tensors, str(temp)))
+        written = write_atomically(path, lambda temp: save_safetensors(tensors, temp))
         return source.stat().st_size, written
 
     jobs = [(path, entry) for path, (entry, _) in zip(paths, samples) if not path.exists()]
