@@ -4,8 +4,8 @@ The output folder records the arguments it is made with (export-args.json, writt
 anything else), so that an export killed at any moment continues when run again with the
 same arguments, and different arguments are refused before anything is written, naming the
 difference. Every file is written under a temporary name (.<name>.tmp), fsynced and renamed:
-a sample file that exists is complete and is not written again, a temporary one left by a
-killed run is removed by the next. The index files are written once every sample file
+a sample file that exists is complete and is not written again; a temporary one a killed
+run left is written again under its name, and renamed, by the next. The index files are written once every sample file
 exists, the export's own index (export.jsonl) last, so its presence says the export is done.
 
 Samples are read, converted and written by a small pool of threads, several at a time (the
@@ -101,7 +101,8 @@ def claim_folder(out_dir: Path, arguments: Dict[str, object]) -> None:
             raise ToolError(f"{out_dir} holds an export made with other arguments ({'; '.join(differences)}); "
                             f"run it with the arguments it was made with to finish it, or export into a new folder")
         return  # a temporary file a killed run left is written again under the same name and renamed
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    # A run killed before its record was renamed into place leaves the record's temporary file alone.
+    if out_dir.exists() and (not out_dir.is_dir() or any(p != temp_path(record) for p in out_dir.iterdir())):
         raise ToolError(f"{out_dir} exists and is not an export's folder (it has no {RECORD_NAME}); "
                         f"export into a new or empty folder")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -123,15 +124,18 @@ def run_samples(jobs: Sequence, convert: Callable[[object], Tuple[int, int]], to
 
     try:
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            for job in jobs:
-                in_flight.append(pool.submit(convert, job))
-                if len(in_flight) >= 2 * threads:
+            try:
+                for job in jobs:
+                    in_flight.append(pool.submit(convert, job))
+                    if len(in_flight) >= 2 * threads:
+                        collect()
+                while in_flight:
                     collect()
-            while in_flight:
-                collect()
+            except BaseException:
+                for future in in_flight:  # those waiting for a thread; the pool waits for the running ones
+                    future.cancel()
+                raise
     finally:
-        for future in in_flight:
-            future.cancel()
         bar.close()
     return tally
 

@@ -1,7 +1,8 @@
 """What both exports share (scripts/dumps/exporting.py) on a real dump: an export SIGKILLed
-while it writes sample files, or while it writes its index, and run again ends byte for byte
-equal to an export never interrupted, keeping the files it had finished; other arguments on
-an export's folder are refused before anything is written; the progress bar and the summary."""
+while it writes sample files, while it writes its index, or before its record of its
+arguments is in place, and run again, ends byte for byte equal to an export never
+interrupted, keeping the files it had finished; other arguments on an export's folder are
+refused before anything is written; the progress bar and the summary."""
 
 import os
 import signal
@@ -94,6 +95,16 @@ def test_an_export_killed_writing_its_index_resumes_to_the_same_bytes(export_dum
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     assert EXPORTS[export].main([str(export_dump), str(out)]) == 0
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_an_export_killed_before_its_record_is_in_place_resumes(export_dump, tmp_path, capsys):
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    assert export_specforge.main([str(export_dump), str(reference)]) == 0
+    kill_mid_export("export_specforge", [str(export_dump), str(out)], tmp_path / "gate", RECORD_NAME, lambda: True)
+    assert [p.name for p in out.iterdir()] == [f".{RECORD_NAME}.tmp"]
+
+    assert export_specforge.main([str(export_dump), str(out)]) == 0
+    assert tree(out) == tree(reference)
 
 
 @pytest.mark.parametrize("export, other, difference", [
