@@ -26,7 +26,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release demo generate bench bench-generate bench-writer clean
+.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release demo generate bench bench-generate bench-writer bench-export clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -137,6 +137,11 @@ BENCH_DIR ?= .cache/bench-writer
 bench-writer: apply runtime ## the dump writer alone vs dd on BENCH_DIR's filesystem (scripts/bench/writer.py) into results/bench-writer-<host kind>.json
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.writer --dir $(BENCH_DIR) \
 		--out results/bench-writer-$(if $(shell command -v nvidia-smi),gpu,cpu).json
+
+BENCH_EXPORT_DIR ?= .cache/bench-export
+bench-export: apply runtime ## both exports vs dd reading and writing on BENCH_EXPORT_DIR's filesystem (scripts/bench/export.py) into results/bench-export-<host kind>.json
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.export --dir $(BENCH_EXPORT_DIR) \
+		--out results/bench-export-$(if $(shell command -v nvidia-smi),gpu,cpu).json
 
 clean: ## remove checkouts, venvs and caches
 	rm -rf .sglang .venv .cache

@@ -37,3 +37,5 @@ load_dump = _format.load_dump
 manifest_name = _format.manifest_name
 manifest_paths = _format.manifest_paths
 read_manifest = _format.read_manifest
+safetensors_header = _format.safetensors_header
+tensor_bytes = _format.tensor_bytes

@@ -1,6 +1,8 @@
 """Measuring helpers the benchmarks share: workloads, sending them, waiting for their files
-to land, the disk's own rate, and summaries of repeated measurements."""
+to land, the disk's own rates (dd writing, dd reading past the page cache), and summaries of
+repeated measurements."""
 
+import os
 import random
 import statistics
 import subprocess
@@ -69,6 +71,26 @@ def dd_rate(directory: Path, megabytes: int) -> float:
     seconds = time.perf_counter() - started
     target.unlink()
     return megabytes * 2**20 / seconds
+
+
+def drop_from_cache(paths) -> None:
+    """Evict files' pages from the page cache (clean pages: written and synced), so that
+    the next read of them comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def dd_read_seconds(paths) -> float:
+    """Seconds `dd bs=1M` takes to read `paths` one after another, out of the page cache."""
+    drop_from_cache(paths)
+    started = time.perf_counter()
+    for path in paths:
+        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M"], check=True, capture_output=True)
+    return time.perf_counter() - started
 
 
 def filesystem(path: Path) -> str:

@@ -29,23 +29,26 @@ NUM_MODEL_LAYERS = 61
 THREAD_COUNTS = (1, 2, 4, 8, 16)
 
 
-def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int, fp8: bool = False) -> float:
-    """Bytes/s landed by the dump's writer fed `files` requests the way the dumper feeds it
-    once a request's prompt is complete (fp8: rows and scales as SGLANG_HS_DUMP_DTYPE=fp8 makes them)."""
+def write_dump(directory: Path, threads: int, hidden_size: int, tokens: int, files: int,
+               layer_ids=tuple(LAYER_IDS), eagle3_draft_layer_ids=None, fp8: bool = False) -> float:
+    """Seconds the dump's writer takes to land `files` requests of `layer_ids` in `directory`
+    (a new folder), fed the way the dumper feeds it once a request's prompt is complete.
+    `eagle3_draft_layer_ids`: what the files' metadata says SGLang's draft configs name.
+    `fp8`: rows and scales as SGLANG_HS_DUMP_DTYPE=fp8 makes them."""
     from sglang.srt.hidden_states_dump.format import file_metadata, quantize_rows
     from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostRows
     from sglang.srt.hidden_states_dump.requests import DumpRequest
     from sglang.srt.hidden_states_dump.writer import DumpWriter
 
     directory.mkdir()
-    states = {"hidden_states": torch.randn(tokens, len(LAYER_IDS), hidden_size).to(torch.bfloat16),
+    states = {"hidden_states": torch.randn(tokens, len(layer_ids), hidden_size).to(torch.bfloat16),
               "last_hidden_state": torch.randn(tokens, hidden_size).to(torch.bfloat16)}
     if fp8:
         for name in list(states):
             states[name], states[f"{name}_scale"] = quantize_rows(states[name])
     rows = HostRows(token_ids=torch.arange(tokens, dtype=torch.int64), ready=None, **states)
-    metadata = file_metadata(LAYER_IDS, NUM_MODEL_LAYERS, "bench", sglang_version="bench", series_version="bench",
-                             fp8=fp8)
+    metadata = file_metadata(list(layer_ids), NUM_MODEL_LAYERS, "bench", sglang_version="bench", series_version="bench",
+                             eagle3_draft_layer_ids=eagle3_draft_layer_ids, fp8=fp8)
     writer = DumpWriter(str(directory), metadata, queue_size=files, on_full_queue="block", threads=threads,
                         manifest_name=MANIFEST_NAME)
     started = time.perf_counter()
@@ -53,10 +56,16 @@ def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, fi
         writer.submit(DumpRequest(f"bench-{i}", tokens), [Chunk(rows, 0, tokens)])
     wait_for_lines(ManifestFollower(str(directory)), files, started, timeout=600)
     seconds = time.perf_counter() - started
-    written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     counters = writer.counters()
     if counters.errors:
         raise SystemExit(f"the writer failed: {counters.line()}")
+    return seconds
+
+
+def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int, fp8: bool = False) -> float:
+    """Bytes/s landed by the dump's writer."""
+    seconds = write_dump(directory, threads, hidden_size, tokens, files, fp8=fp8)
+    written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     shutil.rmtree(directory)
     return written / seconds
 

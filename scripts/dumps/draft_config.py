@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from scripts.dump_format import DumpRecord
+from scripts.dumps.exporting import write_text_atomically
 from scripts.toolchain.errors import ToolError
 
 VALUES_NAME = "draft_config_values.json"
@@ -93,4 +94,4 @@ def speculators_values(record: DumpRecord, aux_layers: List[int], draft_config: 
 
 
 def write_values(out_dir: Path, values: dict) -> None:
-    (out_dir / VALUES_NAME).write_text(json.dumps(values, indent=2) + "\n", encoding="utf-8")
+    write_text_atomically(out_dir / VALUES_NAME, json.dumps(values, indent=2) + "\n")

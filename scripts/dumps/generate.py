@@ -44,6 +44,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 from scripts.dump_format import ManifestFollower
 from scripts.dumps.chat import LOSS_MASKS, ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import Rejected, Sample, open_dataset, read_samples
+from scripts.dumps.progress import human_bytes, progress_bar
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, AppendOnlyLines, read_lines, samples_line
 from scripts.dumps.server import Server, has_gpu, runtime_env
 from scripts.toolchain.errors import USAGE, ToolError
@@ -149,13 +150,6 @@ class Tally:
     @property
     def complete(self) -> bool:
         return self.failed == 0 and self.not_attempted == 0
-
-
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if count < 1000 or unit == "TB":
-            return f"{count:,.1f} {unit}" if unit != "B" else f"{count:.0f} B"
-        count /= 1000
 
 
 class Generation:
@@ -361,11 +355,9 @@ class Generation:
         return Prepared(sample.rid, sample.line, input_ids, loss_mask)
 
     def run(self, dataset, limit: Optional[int]) -> Tally:
-        from tqdm import tqdm
-
         self.tally.total = dataset.num_records if limit is None else min(limit, dataset.num_records)
         self._poll_manifest()
-        self.bar = tqdm(total=self.tally.total, unit="sample", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+        self.bar = progress_bar(self.tally.total)
         resolved = 0
         with ThreadPoolExecutor(max_workers=self.concurrency * len(self.endpoints)) as pool:
             for record, result in read_samples(dataset, limit):

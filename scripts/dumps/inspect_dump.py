@@ -2,7 +2,8 @@
 
     python -m scripts.dumps.inspect_dump DUMP_DIR
 
-Prints requests, tokens, bytes, layers and dtype; exits 1 if a manifest line names a file
+Shows a progress bar while it reads every file, then prints requests, tokens, bytes, layers
+and dtype, and how fast it read; exits 1 if a manifest line names a file
 that is missing or does not match it, 0 otherwise. Files the manifest does not name (a
 server killed between the rename and the manifest line) are listed but are not errors.
 """
@@ -12,9 +13,10 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from scripts.dump_format import load_dump, read_manifest
+from scripts.dumps.progress import ByteTally, progress_bar
 
 
 @dataclass
@@ -56,10 +58,14 @@ def check_entry(dump_dir: Path, entry: dict) -> List[str]:
             for what, (want, have) in expected.items() if want != have]
 
 
-def summarise(dump_dir: Path) -> Summary:
+def summarise(dump_dir: Path, tally: Optional[ByteTally] = None) -> Summary:
+    """Every manifest entry checked against its file; with a `tally`, counted there (bytes
+    read) behind a progress bar."""
     summary = Summary()
     listed = set()
-    for entry in read_manifest(str(dump_dir)):
+    entries = read_manifest(str(dump_dir))
+    bar = progress_bar(len(entries)) if tally is not None else None
+    for entry in entries:
         listed.add(entry["file"])
         summary.requests += 1
         summary.tokens += entry["num_tokens"]
@@ -69,8 +75,15 @@ def summarise(dump_dir: Path) -> Summary:
         summary.conventions.add(entry.get("layer_convention", "-"))
         summary.draft_layer_ids.add(json.dumps(entry.get("eagle3_draft_layer_ids", [])))
         path = dump_dir / entry["file"]
-        summary.bytes += path.stat().st_size if path.is_file() else 0
+        size = path.stat().st_size if path.is_file() else 0
+        summary.bytes += size
         summary.problems += check_entry(dump_dir, entry)
+        if bar is not None:
+            tally.add(size)
+            bar.set_postfix_str(tally.postfix(), refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     # Dump files no manifest names (a server killed between the rename and the manifest
     # line); other files (the generate command's samples, logs) are not the dump's.
     summary.unlisted = sorted(p.name for p in dump_dir.glob("*.safetensors") if p.name not in listed)
@@ -108,8 +121,11 @@ def main(argv=None) -> int:
     if not args.dump_dir.is_dir():
         print(f"error: {args.dump_dir} is not a directory", file=sys.stderr)
         return 2
-    summary = summarise(args.dump_dir)
+    tally = ByteTally()
+    summary = summarise(args.dump_dir, tally)
+    tally.finish()
     print(report(args.dump_dir, summary))
+    print(tally.summary("checked", "files"))
     return 1 if summary.problems else 0
 
 

@@ -15,15 +15,13 @@ Lines are appended whole (one write each); a torn last line, left by a lost mach
 skipped on reading and cut before the next append.
 """
 
-import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Iterable, List, Optional, Tuple
 
 from scripts.dump_format import read_manifest
-from scripts.toolchain.errors import USAGE, ToolError
+from scripts.toolchain.errors import ToolError
 
 SAMPLES_NAME = "samples.jsonl"
 REJECTED_NAME = "rejected.jsonl"
@@ -139,29 +137,3 @@ def layer_columns(dumped: List[int], wanted: List[int]) -> List[int]:
         raise ToolError(f"the dump holds the layers {dumped}, not {missing}; dump them with "
                         f"SGLANG_HS_DUMP_LAYERS (generate --dump-layers)")
     return [dumped.index(layer) for layer in wanted]
-
-
-def export_command(argv, description: str, export, layers_help: str, done: str) -> int:
-    """The command line every export shares: DUMP_DIR OUT_DIR [--samples FILE] [--layers IDS]
-    [--draft-config FILE]; `export(dump_dir, out_dir, samples_file, layers, draft_config)`
-    returns the number of samples written."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dump_dir", type=Path)
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--samples", type=Path, help="the samples file (default: DUMP_DIR/samples.jsonl when there is one)")
-    parser.add_argument("--layers", help=layers_help)
-    parser.add_argument("--draft-config", type=Path,
-                        help="an existing draft config.json: refused, before anything is written, when it would be fed "
-                             "other layers than the export holds")
-    args = parser.parse_args(argv)
-    try:
-        if not args.dump_dir.is_dir():
-            raise ToolError(f"{args.dump_dir} is not a directory", USAGE)
-        if args.samples and not args.samples.is_file():
-            raise ToolError(f"--samples {args.samples}: no such file", USAGE)
-        count = export(args.dump_dir, args.out_dir, args.samples, parse_layers(args.layers), args.draft_config)
-    except ToolError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    print(f"exported {count} samples from {args.dump_dir} to {args.out_dir}{done}")
-    return 0

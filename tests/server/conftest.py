@@ -1,6 +1,7 @@
 import pytest
 
 from scripts.dumps.tiny_model import ensure_kimi_model, ensure_model
+from tests.server.dump_checks import dump_export_prompts
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +23,10 @@ def model_l2():
 def kimi_k25_l2():
     """A reduced Kimi-K2.5 whose text model is model_l2."""
     return ensure_kimi_model(layers=2, q_lora=True)
+
+
+@pytest.fixture(scope="session")
+def export_dump(model_l3, tmp_path_factory):
+    """A small bf16 dump the export tests read (dump_checks.dump_export_prompts)."""
+    return dump_export_prompts(model_l3, tmp_path_factory.mktemp("export") / "dump")
+

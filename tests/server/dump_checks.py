@@ -118,3 +118,24 @@ def run_one_prefill(model: Path, tmp_path: Path, num_layers: int, layers_env, pr
         server.generate(prompt, max_new_tokens=2)
         manifest = wait_for_manifest(dump_dir, 1)
     return prompt, dump_dir, manifest, oracle_hooks.residual_streams(oracle_dir, num_layers, prompt_len)
+
+
+# The exports' dump: prompts of these lengths, dumped in an order of our own with L (the
+# SpecForge export takes those below L in ascending order, the order SGLang feeds a draft,
+# ids 0 and 2 being ones every release here can feed; speculators takes L last).
+EXPORT_PROMPT_LENGTHS = [1, 17, 64, 130, 257]
+EXPORT_DUMP_LAYERS = [2, 0, 3]
+
+
+def dump_export_prompts(model: Path, dump_dir: Path, **env) -> Path:
+    """The exports' prompts dumped by a server on `model` (rids export-0, export-1, ...),
+    one at a time in order, so that two servers given them dump the same values."""
+    env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_HS_DUMP_LAYERS=",".join(map(str, EXPORT_DUMP_LAYERS)),
+                      **env)
+    with Server(model, dump_dir.with_name(dump_dir.name + "-server.log"), env) as server:
+        server.wait_ready()
+        for i, prompt in enumerate(random_prompts(EXPORT_PROMPT_LENGTHS, seed=21)):
+            server.post("/generate", generate_body(prompt, f"export-{i}", 2))
+        wait_for_manifest(dump_dir, len(EXPORT_PROMPT_LENGTHS))
+    return dump_dir
+

@@ -23,6 +23,7 @@ import torch
 from scripts.dump_format import load_dump, read_manifest
 from scripts.dumps import export_specforge, export_speculators, generate
 from scripts.dumps.draft_config import VALUES_NAME
+from scripts.dumps.exporting import INDEX_NAME
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, mask_from_runs, mask_runs, read_lines
 from scripts.dumps.server import Server, runtime_env
 from scripts.dumps.tiny_tokenizer import ASSISTANT, CORPUS, EOS, write_tokenizer
@@ -325,7 +326,7 @@ def test_specforge_reads_the_export(killed_and_resumed, tmp_path):
     out = tmp_path / "specforge"
     assert export_specforge.main([str(killed_and_resumed), str(out)]) == 0
     masks = {line["rid"]: mask_from_runs(line["loss_mask"]) for line in read_lines(killed_and_resumed / SAMPLES_NAME)}
-    index = {json.loads(line)["idx"]: json.loads(line) for line in (out / export_specforge.INDEX_NAME).read_text().splitlines()}
+    index = {json.loads(line)["idx"]: json.loads(line) for line in (out / INDEX_NAME).read_text().splitlines()}
     assert sorted(entry["rid"] for entry in index.values()) == sorted(masks)
     dataset = build_offline_eagle3_dataset(str(out), max_len=2048)
     assert len(dataset) == len(masks)

@@ -35,7 +35,7 @@ def running_sglang_without_apply(makefile: str) -> Tuple[List[str], List[str]]:
 def test_every_target_that_runs_sglang_depends_on_apply():
     running, without_apply = running_sglang_without_apply((REPO_ROOT / "Makefile").read_text())
     assert set(running) >= {"test-unit", "test-warmup", "test-server", "demo", "generate", "bench",
-                            "bench-generate", "bench-writer"}
+                            "bench-generate", "bench-writer", "bench-export"}
     assert without_apply == [], "these targets run SGLang without make apply's stale-checkout check"
 
 
