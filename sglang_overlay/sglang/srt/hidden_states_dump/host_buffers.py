@@ -65,9 +65,14 @@ class HostBuffers:
 
     def __init__(self, reserve_bytes: int, pin_memory: bool):
         self.pin_memory = pin_memory
+        size = aligned(reserve_bytes, self.REGION_ALIGNMENT)
+        if pin_memory and size:
+            # PyTorch's pinned allocator rounds every block up to a power of two (a 5.25 GiB
+            # reserve held 8 GiB): use all of it.
+            size = 1 << (size - 1).bit_length()
         # On the host whatever the default device (the model is being built under the GPU's).
         self.reserve = torch.empty(
-            aligned(reserve_bytes, self.REGION_ALIGNMENT),
+            size,
             dtype=torch.uint8,
             device="cpu",
             pin_memory=pin_memory,
