@@ -5,8 +5,9 @@ anything else), so that an export killed at any moment continues when run again 
 same arguments, and different arguments are refused before anything is written, naming the
 difference. Every file is written under a temporary name (.<name>.tmp), fsynced and renamed:
 a sample file that exists is complete and is not written again; a temporary one a killed
-run left is written again under its name, and renamed, by the next. The index files are written once every sample file
-exists, the export's own index (export.jsonl) last, so its presence says the export is done.
+run left is written again under its name, and renamed, by the next. The index files are
+written once every sample file exists, the export's own index (export.jsonl) last, so its
+presence says the export is done.
 
 Samples are read, converted and written by a small pool of threads, several at a time (the
 file names, not the order they finish in, carry the samples file's order), with a progress
