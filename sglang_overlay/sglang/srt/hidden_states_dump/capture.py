@@ -64,7 +64,8 @@ def server_args_and_ranks():
     last pipeline stage?). The data-parallel rank is the attention-DP rank under DP
     attention, else the replica's rank under --dp-size (0 without). 0.5.23 serves them from
     sglang.srt.runtime_context (get_global_server_args is retired there); older releases
-    from module-level getters."""
+    from module-level getters and, for the replica's rank, from the scheduler process
+    (set_data_parallel_rank, which a patch calls)."""
     try:
         from sglang.srt.runtime_context import get_parallel, get_server_args
     except ImportError:
@@ -82,10 +83,12 @@ def server_args_and_ranks():
             dp_rank = data_parallel_rank() or 0
         return server_args, (get_attention_tp_rank(), dp_rank, get_pp_group().is_last_rank)
     server_args, parallel = get_server_args(), get_parallel()
+    # The runtime context holds the replica's rank in a scheduler process and in a Ray
+    # scheduler actor alike.
     if server_args.enable_dp_attention:
         dp_rank = parallel.attn_dp_rank
     else:
-        dp_rank = data_parallel_rank() or 0
+        dp_rank = parallel.dp_rank or 0
     return server_args, (parallel.attn_tp_rank, dp_rank, parallel.pp_group.is_last_rank)
 
 

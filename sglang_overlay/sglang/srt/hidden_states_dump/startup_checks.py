@@ -23,6 +23,8 @@ class PatchMarker:
     # The upstream feature may be missing from a release (then so is the patch, and
     # check_server_args refuses the options that would need it).
     feature_module: Optional[str] = None
+    # A release with this module does upstream what the patch does (then it has no patch).
+    upstream_module: Optional[str] = None
 
 
 PATCH_MARKERS = (
@@ -56,6 +58,7 @@ PATCH_MARKERS = (
         "name-each-data-parallel-replicas-manifest",
         ("sglang.srt.managers.scheduler",),
         "set_data_parallel_rank",
+        upstream_module="sglang.srt.runtime_context",  # its Parallel.dp_rank
     ),
 )
 
@@ -78,10 +81,16 @@ def check_patches(markers=PATCH_MARKERS) -> None:
 
 
 def feature_present(marker: PatchMarker) -> bool:
-    if marker.feature_module is None:
-        return True
+    """Whether this release needs the patch: it has the feature the patch hooks into, and
+    does not do the patch's work upstream."""
+    if marker.upstream_module is not None and module_exists(marker.upstream_module):
+        return False
+    return marker.feature_module is None or module_exists(marker.feature_module)
+
+
+def module_exists(name: str) -> bool:
     try:
-        return importlib.util.find_spec(marker.feature_module) is not None
+        return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # a parent package is missing
         return False
 
