@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     dump = work / "dump"
     encoder = ChatEncoder(load_tokenizer(model))
-    results = {"model": str(model), "servers": args.servers, "conversations": args.conversations,
+    results = {"model": model.name, "servers": args.servers, "conversations": args.conversations,
                "concurrency_per_server": CONCURRENCY, "rounds": []}
     with ExitStack() as stack:
         servers = [stack.enter_context(Server(model, work / f"server-{n}.log",
