@@ -26,7 +26,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release demo generate bench bench-generate bench-writer bench-export clean
+.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release demo generate bench bench-generate bench-generate-servers bench-writer bench-export clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -132,6 +132,10 @@ bench: apply runtime ## benchmarks (scripts/bench/dump.py) into results/bench-<h
 bench-generate: apply runtime ## the generate command vs the raw concurrent sender on one server (scripts/bench/generate.py) into results/bench-generate-<host kind>-<version>.json
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.generate --rounds 8 --conversations 96 \
 		--out results/bench-generate-$(if $(shell command -v nvidia-smi),gpu,cpu)-$(VERSION).json
+
+bench-generate-servers: apply runtime ## generate over two servers vs a raw sender pinned to each (scripts/bench/generate.py --servers 2) into results/bench-generate-2servers-<host kind>-<version>.json
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.generate --servers 2 --rounds 8 --conversations 96 \
+		--out results/bench-generate-2servers-$(if $(shell command -v nvidia-smi),gpu,cpu)-$(VERSION).json
 
 BENCH_DIR ?= .cache/bench-writer
 bench-writer: apply runtime ## the dump writer alone vs dd on BENCH_DIR's filesystem (scripts/bench/writer.py) into results/bench-writer-<host kind>.json

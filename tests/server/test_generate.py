@@ -65,11 +65,12 @@ def conversation(rng: random.Random, n: int) -> dict:
     return record
 
 
-def write_dataset(path: Path):
-    """The dataset, the valid records by rid, the bad ones' line numbers by kind."""
+def write_dataset(path: Path, conversations: int = 42):
+    """The dataset, the valid records by rid, the bad ones' line numbers by kind (every
+    kind, however few the conversations)."""
     rng = random.Random(12)
     lines, valid, bad = [], {}, {}
-    records = [conversation(rng, n) for n in range(42)]
+    records = [conversation(rng, n) for n in range(conversations)]
     too_long = {"messages": [{"role": "user", "content": "Tell me everything."},
                              {"role": "assistant", "content": " ".join(SENTENCES * 3)}]}
     bad_lines = [(json.dumps(too_long) if text is None else text, kind) for text, kind in BAD]

@@ -1,10 +1,14 @@
-"""scripts.dumps.generate on two real CPU servers dumping into one directory, each under its
-own writer id: one SIGKILLed mid-run, the run finishes on the other; a rerun with both sends
-nothing again; each server's manifest lists only the files its writer wrote."""
+"""scripts.dumps.generate on real CPU servers dumping into one directory: two servers, each
+under its own writer id, one SIGKILLed mid-run, the run finishes on the other; a rerun with
+both sends nothing again; each server's manifest lists only the files its writer wrote. One
+server with two data-parallel replicas (--dp-size 2): each replica writes its own manifest."""
 
 import json
+import shutil
 from contextlib import ExitStack
 from pathlib import Path
+
+import pytest
 
 from scripts.dump_format import load_dump, manifest_name
 from scripts.dumps.samples import SAMPLES_NAME, read_lines
@@ -14,15 +18,15 @@ from tests.server.test_generate import (DUMP_LAYERS, MAX_LENGTH, check_complete,
                                         wait_while_running, write_dataset)
 
 
-def dumping_server(model: Path, out: Path, writer_id: str, log_name: str, extra_args=()) -> Server:
+def dumping_server(model: Path, out: Path, writer_id: str, log_name: str, extra_args=(), **env: str) -> Server:
     return Server(model, out.with_name(log_name), runtime_env(SGLANG_HS_DUMP_DIR=str(out), SGLANG_HS_DUMP_LAYERS=DUMP_LAYERS,
-                                                              SGLANG_HS_DUMP_WRITER_ID=writer_id), list(extra_args))
+                                                              SGLANG_HS_DUMP_WRITER_ID=writer_id, **env), list(extra_args))
 
 
-def manifest_files(out: Path, writer_id: str) -> list:
+def manifest_files(out: Path, writer_id: str, dp_rank: int = 0) -> list:
     """The files one writer's manifest lists (a torn last line, left by a kill, is none)."""
     files = []
-    for line in (out / manifest_name(0, writer_id)).read_bytes().splitlines():
+    for line in (out / manifest_name(dp_rank, writer_id)).read_bytes().splitlines():
         try:
             files.append(json.loads(line)["file"])
         except ValueError:
@@ -85,3 +89,38 @@ def test_a_killed_server_hands_its_samples_to_the_other(model_l3, tmp_path):
     rids = {entry["rid"] for entry in map(json.loads, (out / SAMPLES_NAME).read_text().splitlines())}
     for file in files_a + files_b:
         assert load_dump(str(out / file)).metadata["rid"] in rids
+
+
+def test_each_data_parallel_replica_dumps_under_its_own_manifest(model_l3, tmp_path):
+    path = tmp_path / "chats.jsonl"
+    valid, bad = write_dataset(path, conversations=16)  # fewer: this server takes long to start
+    out = tmp_path / "dump"
+    # SGLang's CPU path refuses more ranks than NUMA nodes unless each rank is given its
+    # cores: one core each.
+    with dumping_server(model_l3, out, "a", "server.log", ["--dp-size", "2"], SGLANG_CPU_OMP_THREADS_BIND="0|1") as server:
+        server.wait_ready()
+        result = run_generate("--dataset", path, "--out", out, "--max-length", MAX_LENGTH, "--model", model_l3,
+                              "--server", server.url, "--concurrency", 2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    check_complete(out, valid, bad)
+    assert sorted(p.name for p in out.glob("manifest*")) == [manifest_name(1, "a"), manifest_name(0, "a")]
+    files_0, files_1 = manifest_files(out, "a"), manifest_files(out, "a", dp_rank=1)
+    assert files_0 and files_1 and not set(files_0) & set(files_1)  # the controller hands both replicas samples
+    samples = {line["rid"]: line for line in read_lines(out / SAMPLES_NAME)}
+    for file in files_0 + files_1:
+        record = load_dump(str(out / file))
+        assert record.token_ids.shape[0] == samples[record.metadata["rid"]]["num_tokens"]
+
+    # Negative controls: the check reads both replicas' manifests as one, so a dump without
+    # the second replica's lacks samples, and one that lists its files twice has duplicates.
+    without_dp1 = tmp_path / "without-dp1"
+    shutil.copytree(out, without_dp1)
+    (without_dp1 / manifest_name(1, "a")).unlink()
+    with pytest.raises(AssertionError):
+        check_complete(without_dp1, valid, bad)
+    dp1_twice = tmp_path / "dp1-twice"
+    shutil.copytree(out, dp1_twice)
+    with open(dp1_twice / manifest_name(0, "a"), "ab") as manifest:
+        manifest.write((out / manifest_name(1, "a")).read_bytes())
+    with pytest.raises(AssertionError):
+        check_complete(dp1_twice, valid, bad)
