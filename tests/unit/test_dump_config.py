@@ -289,3 +289,21 @@ def test_a_marker_no_module_calls_names_its_patch():
     absent = PatchMarker("some-patch", PATCH_MARKERS[0].modules, "a_helper_nobody_calls")
     with pytest.raises(ValueError, match=r"lacks series patches the hidden states dump relies on: some-patch \(no call to a_helper_nobody_calls"):
         check_patches((*PATCH_MARKERS, absent))
+
+
+@pytest.mark.parametrize("value", ["0", "64"])
+def test_host_memory_is_read_once_from_the_environment(dump_dir, monkeypatch, value):
+    from sglang.srt.hidden_states_dump.config import DumpConfig
+
+    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(dump_dir))
+    monkeypatch.setenv("SGLANG_HS_DUMP_HOST_MEMORY_MB", value)
+    assert DumpConfig.from_env().host_memory_mb == int(value)  # 0: sized from the server
+
+
+def test_negative_host_memory_is_refused(dump_dir, monkeypatch):
+    from sglang.srt.hidden_states_dump.config import DumpConfig
+
+    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(dump_dir))
+    monkeypatch.setenv("SGLANG_HS_DUMP_HOST_MEMORY_MB", "-1")
+    with pytest.raises(ValueError, match="SGLANG_HS_DUMP_HOST_MEMORY_MB must not be negative"):
+        DumpConfig.from_env()
