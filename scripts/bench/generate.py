@@ -22,13 +22,12 @@ import statistics
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import List
 
 from scripts.bench.dump import SERVER_ARGS
-from scripts.bench.measure import summary
+from scripts.bench.measure import send_all, summary
 from scripts.dump_format import ManifestFollower
 from scripts.dumps.chat import ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import open_dataset
@@ -63,8 +62,7 @@ def pinned_senders(servers: List[Server], prompts: List[List[int]], dump: Path, 
     landed = [0.0] * len(servers)
 
     def send(server: Server, share) -> None:
-        with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
-            list(pool.map(lambda n: server.generate(prompts[n], max_new_tokens=1, rid=rids[n]), share))
+        send_all(server, [prompts[n] for n in share], rids=[rids[n] for n in share])
 
     started = time.perf_counter()
     senders = [threading.Thread(target=send, args=pair) for pair in zip(servers, shares)]

@@ -20,11 +20,13 @@ def prompts_for(count: int, length: int, seed: int) -> List[List[int]]:
     return [[rng.randrange(5, 1000) for _ in range(length)] for _ in range(count)]
 
 
-def send_all(server: Server, prompts, **extra) -> float:
-    """Seconds to prefill every prompt (one output token each), all sent at once."""
+def send_all(server: Server, prompts, rids: Optional[List[str]] = None, **extra) -> float:
+    """Seconds to prefill every prompt (one output token each), all sent at once; `rids`,
+    when given, names each prompt's request."""
     started = time.perf_counter()
+    named = [dict(rid=rid) for rid in rids] if rids is not None else [{}] * len(prompts)
     with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
-        list(pool.map(lambda p: server.generate(p, max_new_tokens=1, **extra), prompts))
+        list(pool.map(lambda p, name: server.generate(p, max_new_tokens=1, **name, **extra), prompts, named))
     return time.perf_counter() - started
 
 
