@@ -89,7 +89,8 @@ def describe_arguments(dump_dir: Path, samples_file: Optional[Path], samples: Se
 
 def claim_folder(out_dir: Path, arguments: Dict[str, object]) -> None:
     """Make `out_dir` the folder of an export with `arguments`: a new or empty folder gets
-    the record; one that has it with the same arguments is resumed; anything else is refused before a byte is written."""
+    the record; one that has it with the same arguments is resumed; anything else is
+    refused before a byte is written."""
     record = out_dir / RECORD_NAME
     if record.is_file():
         try:
