@@ -68,7 +68,7 @@ def check_patches(markers=PATCH_MARKERS) -> None:
     missing = [
         f"{marker.patch} (no call to {marker.helper} in {' or '.join(marker.modules)})"
         for marker in markers
-        if feature_present(marker) and not any(
+        if release_needs_patch(marker) and not any(
             marker.helper in names_called_by(module) for module in marker.modules
         )
     ]
@@ -80,7 +80,7 @@ def check_patches(markers=PATCH_MARKERS) -> None:
         )
 
 
-def feature_present(marker: PatchMarker) -> bool:
+def release_needs_patch(marker: PatchMarker) -> bool:
     """Whether this release needs the patch: it has the feature the patch hooks into, and
     does not do the patch's work upstream."""
     if marker.upstream_module is not None and module_exists(marker.upstream_module):
@@ -100,7 +100,7 @@ def prefill_graphs_run_dumps_eagerly() -> bool:
     patch's marker is checked by check_patches); older releases replay a piecewise
     graph, which runs no hook."""
     marker = next(m for m in PATCH_MARKERS if m.helper == "holds_dumped_request")
-    return feature_present(marker)
+    return release_needs_patch(marker)
 
 
 def names_called_by(module_name: str) -> Set[str]:
