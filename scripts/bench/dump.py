@@ -40,12 +40,13 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from scripts.bench.measure import (clear_files, dd_rate, filesystem, prompts_for, send_all, send_and_land,
                                    send_and_land_split, summary)
+from scripts.bench.dump_stages import forward_hooks_arg
 from scripts.bench.profile import read_stacks, summarize
 from scripts.bench.run import BenchRun, rss_parts_kib, total_rss_kib
 from scripts.dumps.server import Server, child_pids, has_gpu
@@ -92,8 +93,12 @@ PRESETS = {
                      server_args=SERVER_ARGS + ("--mem-fraction-static", "0.3", "--max-total-tokens", "262144",
                                                 "--disable-cuda-graph"),
                      lengths=(512,), layer_counts=(1,), hidden_prompts=64, fidelity_prompts=16,
-                     tmpfs_dir="/dev/shm", tmpfs_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"}},
-                     disk_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"}}),
+                     tmpfs_dir="/dev/shm", tmpfs_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"},
+                                                           "1 writer thread": {"SGLANG_HS_DUMP_WRITER_THREADS": "1"}},
+                     disk_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"}},
+                     # Where the time of a dump to memory goes (pick them with --contenders).
+                     tmpfs_stages={"capture skipped": "capture_skipped", "rows not copied": "rows_not_copied",
+                                   "copied, not written": "copied_not_written"}),
 }
 
 
@@ -115,21 +120,37 @@ def tmpfs_holds_a_round(model, preset) -> bool:
     return shutil.disk_usage(preset["tmpfs_dir"]).free > 2 * round_bytes
 
 
-def prefill_contenders(run: BenchRun) -> Dict[str, Tuple[Optional[Path], Dict[str, str]]]:
-    """Each prefill contender's dump directory (None: it does not dump) and environment;
-    run.contenders, when set, keeps the ones whose name it matches (and always dump off,
-    which the ratios divide by)."""
+@dataclass
+class Contender:
+    """One prefill contender: where it dumps (None: nowhere), its environment, its extra
+    server arguments, and whether its round waits for its files (a server whose dump stages
+    are left out lands none)."""
+
+    dump_dir: Optional[Path] = None
+    env: Dict[str, str] = field(default_factory=dict)
+    extra: Tuple[str, ...] = ()
+    lands: bool = True
+
+
+def prefill_contenders(run: BenchRun) -> Dict[str, Contender]:
+    """Each prefill contender; run.contenders, when set, keeps the ones whose name it
+    matches (and always dump off, which the ratios divide by)."""
     preset = run.preset
-    contenders = {"upstream": (None, {}), "patched, dump off": (None, {}),
-                  "patched, dump on": (run.work / "dump-prefill", {})}
+    contenders = {"upstream": Contender(lands=False), "patched, dump off": Contender(lands=False),
+                  "patched, dump on": Contender(run.work / "dump-prefill")}
     for index, (label, env) in enumerate(preset.get("disk_variants", {}).items()):
-        contenders[f"patched, dump on (disk, {label})"] = (run.work / f"dump-prefill-{index}", env)
+        contenders[f"patched, dump on (disk, {label})"] = Contender(run.work / f"dump-prefill-{index}", env)
     if tmpfs_holds_a_round(run.model, preset):
         # Memory takes bytes faster than the disk: what is left is the server's own cost.
         variants = {"": {}, **{f", {label}": env for label, env in preset.get("tmpfs_variants", {}).items()}}
         for index, (label, env) in enumerate(variants.items()):
             dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{index}-", dir=preset["tmpfs_dir"]))
-            contenders[f"patched, dump on (tmpfs{label})"] = (dump_dir, env)
+            contenders[f"patched, dump on (tmpfs{label})"] = Contender(dump_dir, env)
+        # The same dump with its later stages left out (scripts/bench/dump_stages.py).
+        for label, stage in preset.get("tmpfs_stages", {}).items():
+            dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{stage}-", dir=preset["tmpfs_dir"]))
+            contenders[f"patched, dump on (tmpfs, {label})"] = Contender(
+                dump_dir, extra=("--forward-hooks", forward_hooks_arg(stage)), lands=False)
     if run.contenders:
         contenders = {name: contender for name, contender in contenders.items()
                       if name == "patched, dump off" or re.search(run.contenders, name)}
@@ -166,11 +187,15 @@ def dump_profile(server: Server, seconds: float) -> Optional[dict]:
 def suite_prefill(run: BenchRun) -> dict:
     preset = run.preset
     contenders = prefill_contenders(run)
-    dumps = {name: dump_dir for name, (dump_dir, _) in contenders.items()}
+    # The dump directories whose files a round waits for.
+    dumps = {name: contender.dump_dir if contender.lands else None for name, contender in contenders.items()}
     servers = {}
-    for index, (name, (dump_dir, env)) in enumerate(contenders.items()):
-        env = dict(env, SGLANG_HS_DUMP_DIR=str(dump_dir)) if dump_dir else env
-        servers[name] = run.start_server(f"prefill-{index}", env, tree=upstream_tree() if name == "upstream" else None)
+    for index, (name, contender) in enumerate(contenders.items()):
+        env = contender.env
+        if contender.dump_dir:
+            env = dict(env, SGLANG_HS_DUMP_DIR=str(contender.dump_dir))
+        servers[name] = run.start_server(f"prefill-{index}", env, contender.extra,
+                                         tree=upstream_tree() if name == "upstream" else None)
         if preset.get("start_one_at_a_time"):
             # Past its memory check (which counts what others take meanwhile as its own);
             # the warmups, which compile kernels for a minute, overlap.
@@ -190,7 +215,7 @@ def suite_prefill(run: BenchRun) -> dict:
         ratios = {}
         if "upstream" in per_round:
             ratios["patched off / upstream"] = [u / o for u, o in zip(per_round["upstream"], off)]
-        for name in (name for name in names if dumps[name]):
+        for name in (name for name in names if contenders[name].dump_dir):
             ratios[f"{name.replace('patched, ', '')} / dump off"] = [o / d for o, d in zip(off, per_round[name])]
         return {"prompt_tokens_per_s": {name: summary([tokens / s for s in values]) for name, values in per_round.items()},
                 "throughput_ratio": {name: summary(values) for name, values in ratios.items()},
@@ -198,7 +223,7 @@ def suite_prefill(run: BenchRun) -> dict:
                                        for name in landed if landed[name][:rounds]},
                 # What a sustained load would see: the round without the last forward's files.
                 "prompt_tokens_per_s_to_last_response": {name: summary([tokens / s for s in values[:rounds]])
-                                                         for name, values in responded.items() if dumps[name]},
+                                                         for name, values in responded.items() if contenders[name].dump_dir},
                 "rounds": rounds, "server_rss_kib": rss, "dump_profile": profiles,
                 "contenders_started": "one after another" if preset.get("start_one_at_a_time") else "at once",
                 "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens, 1 output token; "
@@ -229,7 +254,8 @@ def suite_prefill(run: BenchRun) -> dict:
         rss = {name: rss_parts_kib(server) for name, server in servers.items()}
     finally:
         stop_all(servers.values())  # a dumping server logs its timings as it exits
-    return result(rss, {name: dump_profile(servers[name], measured[name]) for name in names if dumps[name]})
+    return result(rss, {name: dump_profile(servers[name], measured[name])
+                        for name in names if contenders[name].dump_dir})
 
 
 def suite_hidden(run: BenchRun) -> dict:

@@ -1,0 +1,83 @@
+"""The dump with its later stages left out, for the prefill benchmark's ablations: where a
+dumping server's time goes when it is not on the scheduler thread.
+
+Each factory is attached with --forward-hooks (the way into the scheduler process, as
+tests/server/fault_hooks.py does) and replaces one stage of the dump in that process:
+
+- `capture_skipped`: the model still captures its layers and hands them to the dump, which
+  returns at once: what capturing the layers costs the forward.
+- `rows_not_copied`: the dumped requests' rows are gathered (and converted) on the copy
+  stream as the dump does, then dropped: the device-side work, without the copies to the host.
+- `copied_not_written`: everything up to the writer threads, which wait for each copy and
+  write nothing: the copies, without the files.
+
+The hooks themselves do nothing. A server with any of them lands no files; its round ends at
+its last response.
+"""
+
+import json
+
+STAGES = ("capture_skipped", "rows_not_copied", "copied_not_written")
+
+
+def capture_skipped(config):
+    from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
+
+    HiddenStatesDumper.capture = lambda self, forward_batch, hidden_states, aux_hidden_states: None
+    return lambda module, inputs, output: None
+
+
+def rows_not_copied(config):
+    import torch
+    from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
+
+    def capture(self, forward_batch, hidden_states, aux_hidden_states):
+        requests = forward_batch.hidden_states_dump_requests
+        if requests is None or not self.is_writer:
+            return
+        spans, _ = self._spans(forward_batch, requests)
+        if not spans:
+            return
+        if hidden_states.device.type == "cpu":
+            self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+            return
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+        for tensor in rows.values():
+            tensor.record_stream(stream)
+        inputs = [forward_batch.input_ids, hidden_states]
+        inputs += [aux_hidden_states] if isinstance(aux_hidden_states, torch.Tensor) else list(aux_hidden_states)
+        for tensor in inputs:
+            tensor.record_stream(stream)
+
+    HiddenStatesDumper.capture = capture
+    return lambda module, inputs, output: None
+
+
+def copied_not_written(config):
+    from sglang.srt.hidden_states_dump.writer import DumpWriter
+
+    def write_file(self, job):
+        for chunk in job.chunks:
+            chunk.rows.wait()
+        return sum(chunk.end - chunk.start for chunk in job.chunks)
+
+    def publish(self, num_tokens):
+        self.stats.add(files=1, tokens=num_tokens)
+        self.queue.task_done()
+
+    DumpWriter.write_file = write_file
+    DumpWriter._publish = publish
+    return lambda module, inputs, output: None
+
+
+def forward_hooks_arg(stage: str) -> str:
+    """The --forward-hooks value that leaves the dump's later stages out from `stage` on."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown dump stage {stage!r}; known: {', '.join(STAGES)}")
+    return json.dumps([{"name": stage, "target_modules": ["no module has this name"],
+                        "hook_factory": f"scripts.bench.dump_stages:{stage}"}])
