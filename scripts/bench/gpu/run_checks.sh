@@ -7,6 +7,11 @@ OUT=${OUT:-/tmp/out}
 rm -rf /tmp/site && mkdir -p "$OUT" /tmp/site
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MAX_JOBS=16 GIT_PYTHON_REFRESH=quiet
 xz -dc -T0 .devcarry/site.tar.xz | tar xf - -C /tmp/site || exit 2
+# SGLang's JIT modules built beforehand (build_jit_cache.sh), when carried.
+if [ -f .devcarry/jit-cache.tar.xz ]; then
+    mkdir -p "${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}"
+    xz -dc .devcarry/jit-cache.tar.xz | tar xf - -C "${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}" || exit 2
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 PYTHONPATH=/tmp/site python3 -m scripts apply --version 0.5.14 --dir /tmp/site || exit 3
 PYTHONPATH=/tmp/site python3 -m scripts verify --version 0.5.14 --dir /tmp/site | tail -2
