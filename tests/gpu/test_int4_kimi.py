@@ -137,8 +137,9 @@ def test_int4_kimi_dump_matches_transformers_on_the_dequantized_model(models, pr
     # --trust-remote-code: Kimi-K2.5's processor is code in the checkpoint. The vision tower
     # never runs on text prompts; sdpa spares it FlashAttention-3, which the bundle leaves out.
     # --decode-log-interval 1: every decode batch logs whether it replayed a CUDA graph.
-    # --cuda-graph-max-bs 4: the batches this test decodes; capturing the default ~50 batch
-    # sizes compiles Marlin's MoE kernels for each and took 364 s on an H200.
+    # --cuda-graph-max-bs 4: the batches this test decodes. A machine's first launch compiles
+    # Marlin's MoE JIT module (6-8 minutes on an H200; scripts/bench/gpu/build_jit_cache.sh
+    # builds it once and run_checks.sh unpacks it).
     extra = ["--trust-remote-code", "--mm-attention-backend", "sdpa", "--decode-log-interval", "1",
              "--cuda-graph-max-bs", "4"]
     log = RESULTS.with_name("int4-kimi-server.log")
