@@ -96,7 +96,8 @@ PRESETS = {
                      tmpfs_dir="/dev/shm", tmpfs_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"},
                                                            "1 writer thread": {"SGLANG_HS_DUMP_WRITER_THREADS": "1"}},
                      disk_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"}},
-                     # Where the time of a dump to memory goes (pick them with --contenders).
+                     # Where the time of a dump to memory goes (pick them with --contenders: at
+                     # this preset four servers fit the GPU, a fifth fails SGLang's memory check).
                      tmpfs_stages={"capture skipped": "capture_skipped", "rows not copied": "rows_not_copied",
                                    "copied, not written": "copied_not_written"}),
 }
