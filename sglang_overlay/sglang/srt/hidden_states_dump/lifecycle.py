@@ -29,22 +29,32 @@ def register_writer(writer: DumpWriter, drain_timeout_s: float) -> None:
     _writers.append((writer, drain_timeout_s))
 
 
+# The title SGLang gives each scheduler process (with a suffix naming its ranks).
+SCHEDULER_TITLE = "sglang::scheduler"
+
+
 def drain_before_kill(processes) -> None:
     """Called by the server before it kills its processes (SIGTERM, SIGINT, its own
     shutdown): asks them to terminate, which a writing scheduler does only once it has
-    written what it holds, and waits for them at most SGLANG_HS_DUMP_DRAIN_TIMEOUT_S
-    seconds. The caller kills what is left."""
+    written what it holds, and waits for the schedulers at most
+    SGLANG_HS_DUMP_DRAIN_TIMEOUT_S seconds. Only schedulers hold writers; the others are
+    not waited for (multiprocessing's resource tracker ignores SIGTERM, and waiting for it
+    held every shutdown for the whole timeout). The caller kills what is left."""
     if not dump_enabled() or not processes:
         return
     import psutil
 
+    schedulers = []
     for process in processes:
         try:
+            title = process.cmdline()[:1]
             process.terminate()
-        except psutil.NoSuchProcess:
-            pass
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if title and title[0].startswith(SCHEDULER_TITLE):
+            schedulers.append(process)
     # A little longer than the writer's own deadline, so that it can log what it lost.
-    psutil.wait_procs(processes, timeout=envs.SGLANG_HS_DUMP_DRAIN_TIMEOUT_S.get() + 5)
+    psutil.wait_procs(schedulers, timeout=envs.SGLANG_HS_DUMP_DRAIN_TIMEOUT_S.get() + 5)
 
 
 def drain_writers_at_exit() -> None:
