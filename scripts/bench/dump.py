@@ -6,7 +6,10 @@ Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - prefill: prompt tokens/s of unpatched upstream, patched with dumping off, patched with
   dumping on (and, where the preset names a tmpfs, dumping to memory, which leaves the
   disk out); the servers run at once and rounds alternate between them. A dumping
-  server's round ends when the last file of the round is in the manifest.
+  server's round ends when the last file of the round is in the manifest. Where the preset
+  names tmpfs_stages, the tmpfs dump also runs with its later stages left out
+  (scripts/bench/dump_stages.py); such a server lands no file and its round ends at its
+  last response.
 - hidden: hidden-state tokens/s delivered by the dump (to disk) vs SGLang's own
   `return_hidden_states` over HTTP on the same server vs transformers' `output_hidden_states`.
 - write: the dump's write bandwidth vs `dd` to the same filesystem, and server RSS with
