@@ -51,8 +51,7 @@ def drain_in_a_thread(targets) -> threading.Thread:
     return thread
 
 
-def test_waits_for_the_scheduler_and_not_for_a_process_ignoring_sigterm(processes, monkeypatch, tmp_path):
-    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(tmp_path))
+def test_waits_for_the_scheduler_and_not_for_a_process_ignoring_sigterm(processes, dumping_on, monkeypatch):
     monkeypatch.setenv("SGLANG_HS_DUMP_DRAIN_TIMEOUT_S", "3600")
     scheduler, ignoring = processes
     thread = drain_in_a_thread([psutil.Process(p.pid) for p in processes])
@@ -63,10 +62,9 @@ def test_waits_for_the_scheduler_and_not_for_a_process_ignoring_sigterm(processe
     assert ignoring.poll() is None, "the process ignoring SIGTERM is left to the caller"
 
 
-def test_a_process_titled_otherwise_is_not_waited_for(monkeypatch, tmp_path):
+def test_a_process_titled_otherwise_is_not_waited_for(dumping_on):
     # Negative control of the title check: the same scheduler code under another title is
     # terminated but not waited for, so the call returns while it is still draining.
-    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(tmp_path))
     slow = started(SCHEDULER.replace("sglang::scheduler_TP0", "sglang::detokenizer").replace("0.5", "30"))
     try:
         thread = drain_in_a_thread([psutil.Process(slow.pid)])
