@@ -41,18 +41,10 @@ def rows_not_copied(config):
         if hidden_states.device.type == "cpu":
             self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
             return
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream()
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream())
+        # The dump's own copy stream and rows; the rows, made on that stream, are freed there.
+        stream = self._copy_stream_after(forward_batch, hidden_states, aux_hidden_states)
         with torch.cuda.stream(stream):
-            rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
-        for tensor in rows.values():
-            tensor.record_stream(stream)
-        inputs = [forward_batch.input_ids, hidden_states]
-        inputs += [aux_hidden_states] if isinstance(aux_hidden_states, torch.Tensor) else list(aux_hidden_states)
-        for tensor in inputs:
-            tensor.record_stream(stream)
+            self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
 
     HiddenStatesDumper.capture = capture
     return lambda module, inputs, output: None

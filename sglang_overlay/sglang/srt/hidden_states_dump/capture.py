@@ -265,23 +265,28 @@ class HiddenStatesDumper:
             for name, tensor in device_rows.items():
                 getattr(host_rows, name).copy_(tensor)
             return host_rows
-        # On their own stream, so the next forward does not wait for the copies; the
-        # inputs, made on the forward's stream, stay allocated until the copies are done.
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream()
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream())
+        stream = self._copy_stream_after(forward_batch, hidden_states, aux_hidden_states)
         with torch.cuda.stream(stream):
             device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
             host_rows = self.host_buffers.rows(device_rows, ready=torch.cuda.Event())
             for name, tensor in device_rows.items():
                 getattr(host_rows, name).copy_(tensor, non_blocking=True)
             host_rows.ready.record(stream)
+        return host_rows
+
+    def _copy_stream_after(self, forward_batch, hidden_states, aux_hidden_states):
+        """The stream the rows are taken on, after the forward's work so far. On their own
+        stream, so the next forward does not wait for the copies; the inputs, made on the
+        forward's stream, stay allocated until the work queued on it is done."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream())
         inputs = [forward_batch.input_ids, hidden_states]
         inputs += [aux_hidden_states] if isinstance(aux_hidden_states, torch.Tensor) else list(aux_hidden_states)
         for tensor in inputs:
             tensor.record_stream(stream)
-        return host_rows
+        return stream
 
     def _rows(self, forward_batch, hidden_states, aux_hidden_states, spans):
         """The dumped requests' rows of this forward, in the file's form: token ids,
