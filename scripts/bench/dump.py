@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ from scripts.bench.measure import (clear_files, dd_rate, filesystem, prompts_for
                                    send_and_land_split, summary)
 from scripts.bench.dump_stages import forward_hooks_arg
 from scripts.bench.profile import read_stacks, summarize
+from scripts.bench.trace import summarize_trace
 from scripts.bench.run import BenchRun, rss_parts_kib, total_rss_kib
 from scripts.dumps.server import Server, child_pids, has_gpu
 from scripts.dumps.tiny_model import ensure_model
@@ -519,8 +521,53 @@ def suite_profile(run: BenchRun) -> dict:
             "profile": summarize(read_stacks(raw), PY_SPY_RATE), "dump_profile": dump_profile(server, seconds)}
 
 
+def profiler(server: Server, path: str, body: dict) -> str:
+    """POST to one of SGLang's profiler endpoints, which answer in plain text."""
+    request = urllib.request.Request(f"{server.url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=900) as response:
+        return response.read().decode()
+
+
+def suite_trace(run: BenchRun) -> dict:
+    """One round of the prefill workload on dump off and each --contenders match, under the
+    torch profiler (SGLang's /start_profile and /stop_profile around a round), servers started one
+    after another: the GPU's timeline per stream and the host's CUDA runtime calls
+    (scripts/bench/trace.py), to tell slower kernels from an idle forward stream."""
+    preset = run.preset
+    contenders = prefill_contenders(run)
+    servers, results = {}, {}
+    try:
+        for index, (name, contender) in enumerate(contenders.items()):
+            env = dict(contender.env, SGLANG_HS_DUMP_DIR=str(contender.dump_dir)) if contender.dump_dir else contender.env
+            servers[name] = run.start_server(f"trace-{index}", env, contender.extra,
+                                             tree=upstream_tree() if name == "upstream" else None)
+            servers[name].wait_listening()
+        for index, (name, server) in enumerate(servers.items()):
+            server.wait_ready()
+            dump_dir = contenders[name].dump_dir if contenders[name].lands else None
+            prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=7000)
+            send_and_land(server, prompts_for(8, preset["prompt_len"], seed=99), dump_dir)
+            plain = send_and_land(server, prompts, dump_dir)
+            clear_files(dump_dir)
+            trace_dir = run.work / f"trace-{index}"
+            profiler(server, "/start_profile", {"output_dir": str(trace_dir), "activities": ["CPU", "GPU"]})
+            profiled = send_and_land(server, prompts_for(preset["prompts"], preset["prompt_len"], seed=7001), dump_dir)
+            profiler(server, "/stop_profile", {})  # answers once the trace is written
+            clear_files(dump_dir)
+            traces = sorted(trace_dir.glob("*.trace.json*"))
+            results[name] = {"round_s": round(plain, 3), "profiled_round_s": round(profiled, 3),
+                             "trace": summarize_trace(traces[0]) if traces else None}
+            run.checkpoint(results)
+            run.progress(f"trace: {name}: round {plain:.2f}s, profiled {profiled:.2f}s")
+    finally:
+        stop_all(servers.values())
+    return results
+
+
 SUITES = {"prefill": suite_prefill, "hidden": suite_hidden, "write": suite_write, "scaling": suite_scaling,
-          "profile": suite_profile, "fp8": suite_fp8}
+          "profile": suite_profile, "fp8": suite_fp8,
+          "trace": suite_trace}
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,8 @@
 # is bench_dump's --deadline-s; BENCH_TIMEOUT_S, when set, stops bench_dump after that
 # many seconds, so its log and the servers' logs still reach $OUT before the call's own
 # limit. Results land in $OUT/bench-*.json, bench_dump's output in $OUT/bench-gpu*.log as
-# it runs; the profile suite's raw py-spy samples in $OUT/py-spy-raw-*.txt.gz. BENCH_PARALLEL=1
+# it runs; the profile suite's raw py-spy samples in $OUT/py-spy-raw-*.txt.gz, the trace suite's
+# traces in $OUT/trace-*.trace.json.gz. BENCH_PARALLEL=1
 # runs each suite in its own process, all at once.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -65,6 +66,9 @@ bench_dump() {  # bench_dump NAME SUITE_ARGS...: one bench_dump process, its res
     local code=$?
     tail -n 30 "$WORK_ROOT/bench-$name"/*.log > "$OUT/server-logs-tail-$name.txt" 2>/dev/null
     gzip -c "$WORK_ROOT/bench-$name"/py-spy-raw.txt > "$OUT/py-spy-raw-$name.txt.gz" 2>/dev/null || rm -f "$OUT/py-spy-raw-$name.txt.gz"
+    for trace in "$WORK_ROOT/bench-$name"/trace-*/*.trace.json.gz; do  # the trace suite's raw traces
+        [ -f "$trace" ] && cp "$trace" "$OUT/$(basename "$(dirname "$trace")").trace.json.gz"
+    done
     return $code
 }
 if [ ${#suites[@]} -gt 0 ] && [ -n "${BENCH_PARALLEL:-}" ]; then

@@ -1,0 +1,68 @@
+"""Summaries of a torch profiler trace (the chrome-trace JSON SGLang's /start_profile writes):
+what the GPU did over the profiled forwards, per stream, and what the host threads spent in
+CUDA runtime calls. The trace suite of scripts/bench/dump.py compares a dumping server's
+summary with dump off's: whether the forwards' kernels got slower, the forward stream sat
+idle, or a host thread waited."""
+
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+TOP = 12  # kernels and runtime calls listed by total time
+
+
+def busy_us(intervals: List[Tuple[float, float]]) -> float:
+    """Microseconds covered by the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def summarize_trace(path: Path) -> dict:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as handle:
+        events = [e for e in json.load(handle).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return {"gpu_events": 0}
+    first = min(e["ts"] for e in gpu)
+    last = max(e["ts"] + e["dur"] for e in gpu)
+    streams: Dict[str, dict] = {}
+    by_stream = defaultdict(list)
+    for event in gpu:
+        by_stream[event.get("args", {}).get("stream", "?")].append(event)
+    for stream, items in by_stream.items():
+        memcpy = defaultdict(lambda: [0, 0.0, 0])  # kind: [count, us, bytes]
+        for event in items:
+            if event["cat"] == "gpu_memcpy":
+                entry = memcpy[event["name"]]
+                entry[0] += 1
+                entry[1] += event["dur"]
+                entry[2] += event.get("args", {}).get("bytes", 0)
+        streams[str(stream)] = {
+            "kernels": sum(e["cat"] == "kernel" for e in items),
+            "kernel_us": round(sum(e["dur"] for e in items if e["cat"] == "kernel")),
+            "busy_us": round(busy_us([(e["ts"], e["ts"] + e["dur"]) for e in items])),
+            "memcpy": {name: {"count": c, "us": round(us), "GB/s": round(b / us / 1e3, 2) if us else None}
+                       for name, (c, us, b) in memcpy.items()},
+        }
+    kernels = defaultdict(lambda: [0, 0.0])
+    for event in gpu:
+        if event["cat"] == "kernel":
+            kernels[event["name"][:90]][0] += 1
+            kernels[event["name"][:90]][1] += event["dur"]
+    runtime = defaultdict(lambda: [0, 0.0])
+    for event in events:
+        if event.get("cat") == "cuda_runtime" or event.get("cat") == "cuda_driver":
+            key = f"{event['name']} (tid {event.get('tid')})"
+            runtime[key][0] += 1
+            runtime[key][1] += event["dur"]
+    top = lambda table: {name: {"count": c, "us": round(us)}
+                         for name, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:TOP]}
+    return {"gpu_span_us": round(last - first), "gpu_busy_us": round(busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])),
+            "streams": streams, "kernels_by_time": top(kernels), "runtime_calls_by_time": top(runtime)}
