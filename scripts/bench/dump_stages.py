@@ -6,7 +6,7 @@ tests/server/fault_hooks.py does) and replaces one stage of the dump in that pro
 
 - `capture_skipped`: the model still captures its layers and hands them to the dump, which
   returns at once: what capturing the layers costs the forward.
-- `rows_not_copied`: the dumped requests' rows are gathered (and converted) on the copy
+- `rows_not_copied`: the dumped requests' rows are gathered (and converted) on the gather
   stream as the dump does, then dropped: the device-side work, without the copies to the host.
 - `copied_not_written`: everything up to the writer threads, which wait for each copy and
   write nothing: the copies, without the files.
@@ -41,8 +41,8 @@ def rows_not_copied(config):
         if hidden_states.device.type == "cpu":
             self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
             return
-        # The dump's own copy stream and rows; the rows, made on that stream, are freed there.
-        stream = self._copy_stream_after(forward_batch, hidden_states, aux_hidden_states)
+        # The dump's own gather stream and rows; the rows, made on that stream, are freed there.
+        stream = self._gather_stream_after(forward_batch, hidden_states, aux_hidden_states)
         with torch.cuda.stream(stream):
             self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
 

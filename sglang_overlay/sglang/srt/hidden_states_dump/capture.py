@@ -18,6 +18,7 @@ from sglang.srt.hidden_states_dump.config import (
     check_dump_dir,
     data_parallel_rank,
 )
+from sglang.srt.hidden_states_dump.copier import Landing, RowsCopier
 from sglang.srt.hidden_states_dump.eagle3_layers import (
     draft_layer_ids,
     eagle3_model_class,
@@ -118,7 +119,8 @@ class HiddenStatesDumper:
         self.host_buffers = HostBuffers(
             reserve_bytes if is_writer else 0, pin_memory=torch.cuda.is_available()
         )
-        self._copy_stream = None  # device-to-host copies leave the forward's stream
+        self._gather_stream = None  # the rows are gathered off the forward's stream
+        self._copier: Optional[RowsCopier] = None  # and copied to the host in slices
         # The model appends aux hidden states as its layers run, i.e. by ascending id.
         self._aux_order = [sorted(self.layer_ids).index(i) for i in self.layer_ids]
         self.is_writer = is_writer
@@ -259,28 +261,31 @@ class HiddenStatesDumper:
             self.writer.stats.add(discarded=1)
 
     def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans):
-        if hidden_states.device.type == "cpu":
+        """The forward's rows in host rows that the copier fills behind the forward: on a
+        CUDA device gathered on a stream of their own, so the forward does not wait."""
+        if self._copier is None:
+            self._copier = RowsCopier(hidden_states.device)
+        gathered = None
+        if hidden_states.device.type == "cuda":
+            stream = self._gather_stream_after(forward_batch, hidden_states, aux_hidden_states)
+            with torch.cuda.stream(stream):
+                device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+                gathered = torch.cuda.Event()
+                gathered.record(stream)
+        else:
             device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
-            host_rows = self.host_buffers.rows(device_rows)
-            for name, tensor in device_rows.items():
-                getattr(host_rows, name).copy_(tensor)
-            return host_rows
-        stream = self._copy_stream_after(forward_batch, hidden_states, aux_hidden_states)
-        with torch.cuda.stream(stream):
-            device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
-            host_rows = self.host_buffers.rows(device_rows, ready=torch.cuda.Event())
-            for name, tensor in device_rows.items():
-                getattr(host_rows, name).copy_(tensor, non_blocking=True)
-            host_rows.ready.record(stream)
+        host_rows = self.host_buffers.rows(device_rows, ready=Landing())
+        pairs = [(tensor, getattr(host_rows, name)) for name, tensor in device_rows.items()]
+        self._copier.submit(pairs, gathered, host_rows.ready)
         return host_rows
 
-    def _copy_stream_after(self, forward_batch, hidden_states, aux_hidden_states):
-        """The stream the rows are taken on, after the forward's work so far. On their own
-        stream, so the next forward does not wait for the copies; the inputs, made on the
+    def _gather_stream_after(self, forward_batch, hidden_states, aux_hidden_states):
+        """The stream the rows are gathered on, after the forward's work so far. On their own
+        stream, so the next forward does not wait for them; the inputs, made on the
         forward's stream, stay allocated until the work queued on it is done."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream()
-        stream = self._copy_stream
+        if self._gather_stream is None:
+            self._gather_stream = torch.cuda.Stream()
+        stream = self._gather_stream
         stream.wait_stream(torch.cuda.current_stream())
         inputs = [forward_batch.input_ids, hidden_states]
         inputs += [aux_hidden_states] if isinstance(aux_hidden_states, torch.Tensor) else list(aux_hidden_states)

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from sglang.srt.hidden_states_dump.copier import Landing
 from sglang.srt.hidden_states_dump.format import FILE_TENSORS
 
 logger = logging.getLogger(__name__)
@@ -17,13 +18,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class HostRows:
-    """Rows of one forward on their way to the host; valid once `ready` has completed.
-    fp8 rows carry their scales."""
+    """Rows of one forward on their way to the host; valid once `ready` says they have
+    landed (no `ready`: valid now). fp8 rows carry their scales."""
 
     token_ids: torch.Tensor
     hidden_states: torch.Tensor
     last_hidden_state: torch.Tensor
-    ready: Optional[torch.cuda.Event] = None
+    ready: Optional[Landing] = None
     hidden_states_scale: Optional[torch.Tensor] = None
     last_hidden_state_scale: Optional[torch.Tensor] = None
 
@@ -33,7 +34,7 @@ class HostRows:
 
     def wait(self) -> None:
         if self.ready is not None:
-            self.ready.synchronize()
+            self.ready.wait()
 
 
 @dataclass
