@@ -1,6 +1,6 @@
 """Benchmarks of the hidden-states dump against its alternatives, each comparison in one run.
 
-    python -m scripts.bench.dump --suite prefill|hidden|write|scaling [--preset cpu|gpu] --out FILE.json
+    python -m scripts.bench.dump --suite prefill|hidden|write|scaling|fp8|profile|trace [--preset cpu|gpu|gpu-rank] --out FILE.json
 
 Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - prefill: prompt tokens/s of unpatched upstream, patched with dumping off, patched with
@@ -20,6 +20,9 @@ Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - profile: the prefill workload on one dumping server run under py-spy: where the
   scheduler's and the writer threads' CPU time goes (scripts/bench/profile.py); with
   PY_SPY_GIL=1, where the time holding the interpreter lock goes.
+- trace: one round of the prefill workload on dump off and each --contenders match under
+  SGLang's torch profiler: the GPU's timeline per stream, the forward stream's idle gaps and
+  what resumed each, and the host threads' CUDA runtime calls (scripts/bench/trace.py).
 
 Every dumping server logs its dump timings as it exits (DumpTimings: scheduler time taking
 rows and blocked on a full queue, writer time waiting for copies, writing, and taking its

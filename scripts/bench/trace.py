@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 TOP = 12  # kernels and runtime calls listed by total time
+GAP_US = 1000  # idle stretches of the forward stream counted as gaps
 
 
 def busy_us(intervals: List[Tuple[float, float]]) -> float:
@@ -62,7 +63,18 @@ def summarize_trace(path: Path) -> dict:
             key = f"{event['name']} (tid {event.get('tid')})"
             runtime[key][0] += 1
             runtime[key][1] += event["dur"]
+    # The forward stream: the one with the most kernel time. Its idle stretches, each named
+    # by what ran when it resumed (a copy waiting for the copy engine shows as a memcpy).
+    forward = max(streams, key=lambda stream: streams[stream]["kernel_us"])
+    gaps = defaultdict(lambda: [0, 0.0])
+    reach = None
+    for event in sorted((e for e in gpu if str(e.get("args", {}).get("stream", "?")) == forward), key=lambda e: e["ts"]):
+        if reach is not None and event["ts"] - reach > GAP_US:
+            gaps[event["name"][:60]][0] += 1
+            gaps[event["name"][:60]][1] += event["ts"] - reach
+        reach = max(reach or event["ts"], event["ts"] + event["dur"])
     top = lambda table: {name: {"count": c, "us": round(us)}
                          for name, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:TOP]}
     return {"gpu_span_us": round(last - first), "gpu_busy_us": round(busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])),
-            "streams": streams, "kernels_by_time": top(kernels), "runtime_calls_by_time": top(runtime)}
+            "streams": streams, "forward_stream": forward,
+            f"forward_stream_gaps_over_{GAP_US}us_by_what_resumed": top(gaps), "kernels_by_time": top(kernels), "runtime_calls_by_time": top(runtime)}
