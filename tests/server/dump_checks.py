@@ -1,6 +1,7 @@
 """What the server tests of the dump share: workloads, one prefill with the oracle's hooks,
 the comparison of a file with the oracle, and reading the dump's counters from the server log."""
 
+import json
 import os
 import random
 import time
@@ -33,10 +34,10 @@ class OracleServer(Server):
     into tmp_path/oracle, its oracle_dir, on the decoder at module path `decoder`."""
 
     def __init__(self, model, tmp_path, num_layers: int, extra_args: Sequence[str] = (), decoder: str = "model",
-                 **env):
+                 extra_hooks: Sequence[dict] = (), **env):
         self.oracle_dir = tmp_path / "oracle"
         self.oracle_dir.mkdir()
-        hooks = oracle_hooks.hook_specs(self.oracle_dir, num_layers, decoder)
+        hooks = json.dumps(json.loads(oracle_hooks.hook_specs(self.oracle_dir, num_layers, decoder)) + list(extra_hooks))
         super().__init__(model, tmp_path / "server.log",
                          runtime_env(SGLANG_HS_DUMP_DIR=str(tmp_path / "dump"), **env),
                          [*extra_args, "--forward-hooks", hooks])

@@ -1,24 +1,29 @@
 """Batched serving: many concurrent requests of random lengths, prefilled together and
-mixed with decode steps (--enable-mixed-chunk); every file equals the oracle row for row."""
+mixed with decode steps (--enable-mixed-chunk); every file equals the oracle row for row.
+The rows cross to the host in slices of a few rows (the copier's slice size set small), so
+the slices' seams fall inside requests and between them."""
 
 import random
 import time
 
 from scripts.dump_format import load_dump
 from tests.server import oracle_hooks
+from tests.server.copier_hooks import small_slices_hook
 from tests.server.dump_checks import (
     OUTPUT_TOKEN, assert_matches_oracle, generate_body, OracleServer, post_all, random_prompts)
 from scripts.dumps.server import wait_for_manifest
 
 NUM_REQUESTS = 96
 NUM_LAYERS = 3
+SLICE_BYTES = 4096  # a few rows of the test model's (rows of 3 layers and the final state)
 
 
 def test_concurrent_requests_each_equal_the_oracle(model_l3, tmp_path):
     rng = random.Random(0)
     prompts = random_prompts([rng.randint(1, 500) for _ in range(NUM_REQUESTS)], seed=1)
     bodies = [generate_body(p, f"batch-{i}", max_new_tokens=rng.randint(1, 16)) for i, p in enumerate(prompts)]
-    server = OracleServer(model_l3, tmp_path, NUM_LAYERS, ["--enable-mixed-chunk"])
+    server = OracleServer(model_l3, tmp_path, NUM_LAYERS, ["--enable-mixed-chunk"],
+                          extra_hooks=[small_slices_hook(SLICE_BYTES)])
     dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
     with server:
         server.wait_ready()
@@ -26,6 +31,7 @@ def test_concurrent_requests_each_equal_the_oracle(model_l3, tmp_path):
         responses = post_all(server, bodies, workers=64)
         print(f"{NUM_REQUESTS} requests in {time.monotonic() - start:.1f}s")
         manifest = wait_for_manifest(dump_dir, NUM_REQUESTS)
+    assert f"in slices of at most {SLICE_BYTES} bytes" in server.log()
     assert all(r["output_ids"] == [OUTPUT_TOKEN] * b["sampling_params"]["max_new_tokens"]
                for r, b in zip(responses, bodies))
 

@@ -248,3 +248,38 @@ def test_the_dump_package_calls_no_collective():
     assert not called & COLLECTIVES
     assert "torch.distributed" not in imported
     assert "get_pp_group" in called, "the check must see the module's calls"
+
+
+def test_the_forwards_tensors_refilled_after_capture_leave_the_dump_unchanged(dump_dir, monkeypatch):
+    """The copier reads the rows after the forward has gone on, and SGLang refills some of
+    the forward's tensors for the next forward (0.5.23's input ids' buffer, int64 on the
+    CPU): what capture hands the copier must be its own."""
+    from sglang.srt.hidden_states_dump.copier import RowsCopier
+
+    held = []
+    submit = RowsCopier.submit
+    monkeypatch.setattr(RowsCopier, "submit", lambda self, *job: held.append((self, job)))
+    layer_ids = [0, 2]
+    dumper = start_dumper(dump_dir, layer_ids)
+    tokens = prompt(100, 5)
+    for form in ("list", "packed"):
+        forward_batch = SimpleNamespace(
+            hidden_states_dump_requests=[DumpRequest(form, 5)],
+            extend_prefix_lens_cpu=[0],
+            extend_seq_lens_cpu=[5],
+            input_ids=torch.tensor(tokens, dtype=torch.int64),
+        )
+        aux = [layer_rows(tokens, layer_id) for layer_id in sorted(layer_ids)]
+        if form == "packed":
+            aux = torch.cat(aux, dim=-1)
+        final = final_rows(tokens)
+        dumper.capture(forward_batch, final, aux)
+        # The next forward refills them before the copier gets to this one's rows.
+        for tensor in [forward_batch.input_ids, final, *(aux if form == "list" else [aux])]:
+            tensor.fill_(7)
+    for copier, job in held:
+        submit(copier, *job)
+
+    lines = wait_for_manifest(dump_dir, ["list", "packed"])
+    for line in lines:
+        assert_dumped(dump_dir, line, tokens, layer_ids)

@@ -267,9 +267,13 @@ class HiddenStatesDumper:
             self._copier = RowsCopier(hidden_states.device)
         gathered = None
         if hidden_states.device.type == "cuda":
+            # Taken on the forward's stream, before the next forward can refill their buffer.
+            token_ids = self._token_ids(forward_batch, spans)
             stream = self._gather_stream_after(forward_batch, hidden_states, aux_hidden_states)
             with torch.cuda.stream(stream):
-                device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+                device_rows = self._rows(
+                    forward_batch, hidden_states, aux_hidden_states, spans, token_ids
+                )
                 gathered = torch.cuda.Event()
                 gathered.record(stream)
         else:
@@ -293,28 +297,24 @@ class HiddenStatesDumper:
             tensor.record_stream(stream)
         return stream
 
-    def _rows(self, forward_batch, hidden_states, aux_hidden_states, spans):
+    def _rows(self, forward_batch, hidden_states, aux_hidden_states, spans, token_ids=None):
         """The dumped requests' rows of this forward, in the file's form: token ids,
         captured layers [T, K, H] in the configured order, the final state, converted
-        or quantized as SGLANG_HS_DUMP_DTYPE says."""
-
-        def dumped_rows(tensor: torch.Tensor) -> torch.Tensor:
-            if len(spans) == 1 or all(a[3] == b[2] for a, b in zip(spans, spans[1:])):
-                return tensor[spans[0][2] : spans[-1][3]]
-            return torch.cat([tensor[start:end] for _, _, start, end in spans])
-
+        or quantized as SGLANG_HS_DUMP_DTYPE says. Each is the dump's own tensor, never a
+        view of the forward's: the copier reads them after the forward has gone on.
+        `token_ids`: the ids when already taken."""
         if isinstance(aux_hidden_states, torch.Tensor):
             # Packed by upstream's AuxHiddenStatePacker (0.5.23): [T, K * H], by ascending id.
-            layers = dumped_rows(aux_hidden_states).unflatten(-1, (len(self._aux_order), -1))
+            layers = dumped_rows(aux_hidden_states, spans).unflatten(-1, (len(self._aux_order), -1))
             aux_rows = layers[:, self._aux_order]
         else:
             aux_rows = torch.stack(
-                [dumped_rows(aux_hidden_states[j]) for j in self._aux_order], dim=1
+                [dumped_rows(aux_hidden_states[j], spans) for j in self._aux_order], dim=1
             )
         rows = {
-            "token_ids": dumped_rows(forward_batch.input_ids).to(torch.int64),
+            "token_ids": self._token_ids(forward_batch, spans) if token_ids is None else token_ids,
             "hidden_states": aux_rows,
-            "last_hidden_state": dumped_rows(hidden_states),
+            "last_hidden_state": dumped_rows(hidden_states, spans, copy=True),
         }
         if self.config.dtype == "bf16":
             for name in ("hidden_states", "last_hidden_state"):
@@ -323,6 +323,12 @@ class HiddenStatesDumper:
             for name in ("hidden_states", "last_hidden_state"):
                 rows[name], rows[f"{name}_scale"] = quantize_rows(rows[name])
         return rows
+
+    @staticmethod
+    def _token_ids(forward_batch, spans) -> torch.Tensor:
+        """The dumped rows' token ids, copied: the next forward may refill the buffer
+        they sit in (0.5.23 does, on the CPU)."""
+        return dumped_rows(forward_batch.input_ids, spans, copy=True).to(torch.int64)
 
     def _add_chunk(self, request: DumpRequest, prefix_len: int, chunk: Chunk) -> float:
         """Add a chunk to its request and submit the request once its prompt is whole;
@@ -344,3 +350,12 @@ class HiddenStatesDumper:
             return self.writer.submit(request, partial.chunks)
         self._partials[request.rid] = partial
         return 0.0
+
+
+def dumped_rows(tensor: torch.Tensor, spans, copy: bool = False) -> torch.Tensor:
+    """The rows of `tensor` the spans (request, prefix_len, start, end) cover, in order: a
+    view when they are contiguous (a copy with `copy`), else a new tensor."""
+    if len(spans) == 1 or all(a[3] == b[2] for a, b in zip(spans, spans[1:])):
+        rows = tensor[spans[0][2] : spans[-1][3]]
+        return rows.clone() if copy else rows
+    return torch.cat([tensor[start:end] for _, _, start, end in spans])

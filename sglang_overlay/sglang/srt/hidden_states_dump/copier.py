@@ -66,15 +66,19 @@ class RowsCopier:
     copied. On a CUDA device the copies run on a stream of their own, after the event the
     rows were gathered under; elsewhere they are plain copies."""
 
-    def __init__(self, device: torch.device, slice_bytes: int = SLICE_BYTES):
+    def __init__(self, device: torch.device, slice_bytes: Optional[int] = None):
         self.device = device
-        self.slice_bytes = slice_bytes
+        self.slice_bytes = slice_bytes or SLICE_BYTES
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._jobs: "queue.SimpleQueue[CopyJob]" = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._run, name="hidden-states-dump-copier", daemon=True
         )
         self._thread.start()
+        logger.info(
+            f"hidden states dump: rows copied to the host on {device} in slices of at "
+            f"most {self.slice_bytes} bytes"
+        )
 
     def submit(self, pairs, gathered: Optional[torch.cuda.Event], landing: Landing) -> None:
         self._jobs.put(CopyJob(list(pairs), gathered, landing))
