@@ -28,7 +28,6 @@ def capture_skipped(config):
 
 
 def rows_not_copied(config):
-    import torch
     from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
 
     def capture(self, forward_batch, hidden_states, aux_hidden_states):
@@ -36,15 +35,10 @@ def rows_not_copied(config):
         if requests is None or not self.is_writer:
             return
         spans, _ = self._spans(forward_batch, requests)
-        if not spans:
-            return
-        if hidden_states.device.type == "cpu":
-            self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
-            return
-        # The dump's own gather stream and rows; the rows, made on that stream, are freed there.
-        stream = self._gather_stream_after(forward_batch, hidden_states, aux_hidden_states)
-        with torch.cuda.stream(stream):
-            self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+        if spans:
+            # Gathered as the dump gathers them, then dropped (on a GPU the rows, made on
+            # the gather stream, are freed there).
+            self._gather(forward_batch, hidden_states, aux_hidden_states, spans)
 
     HiddenStatesDumper.capture = capture
     return lambda module, inputs, output: None

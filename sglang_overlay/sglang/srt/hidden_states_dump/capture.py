@@ -261,37 +261,37 @@ class HiddenStatesDumper:
             self.writer.stats.add(discarded=1)
 
     def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans):
-        """The forward's rows in host rows that the copier fills behind the forward: on a
-        CUDA device gathered on a stream of their own, so the forward does not wait."""
+        """The forward's rows in host rows that the copier fills behind the forward."""
         if self._copier is None:
             self._copier = RowsCopier(hidden_states.device)
-        gathered = None
-        if hidden_states.device.type == "cuda":
-            # Taken on the forward's stream, before the next forward can refill their buffer.
-            token_ids = self._token_ids(forward_batch, spans)
-            stream = self._gather_stream_after(forward_batch, hidden_states, aux_hidden_states)
-            with torch.cuda.stream(stream):
-                device_rows = self._rows(
-                    forward_batch, hidden_states, aux_hidden_states, spans, token_ids
-                )
-                gathered = torch.cuda.Event()
-                gathered.record(stream)
-        else:
-            device_rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+        device_rows, gathered = self._gather(forward_batch, hidden_states, aux_hidden_states, spans)
         host_rows = self.host_buffers.rows(device_rows, ready=Landing())
         pairs = [(tensor, getattr(host_rows, name)) for name, tensor in device_rows.items()]
         self._copier.submit(pairs, gathered, host_rows.ready)
         return host_rows
 
-    def _gather_stream_after(self, forward_batch, hidden_states, aux_hidden_states):
-        """The stream the rows are gathered on, after the forward's work so far. On their own
-        stream, so the next forward does not wait for them; the inputs, made on the
-        forward's stream, stay allocated until the work queued on it is done."""
+    def _gather(self, forward_batch, hidden_states, aux_hidden_states, spans):
+        """The forward's rows (`_rows`) and, on a CUDA device, the event they are complete
+        under: gathered there on a stream of their own, so the forward does not wait."""
+        if hidden_states.device.type != "cuda":
+            return self._rows(forward_batch, hidden_states, aux_hidden_states, spans), None
+        # Taken on the forward's stream, before the next forward can refill their buffer.
+        token_ids = self._token_ids(forward_batch, spans)
+        stream = self._gather_stream_after(hidden_states, aux_hidden_states)
+        with torch.cuda.stream(stream):
+            rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans, token_ids)
+            gathered = torch.cuda.Event()
+            gathered.record(stream)
+        return rows, gathered
+
+    def _gather_stream_after(self, hidden_states, aux_hidden_states):
+        """The stream the rows are gathered on, after the forward's work so far; the states,
+        made on the forward's stream, stay allocated until the work queued on it is done."""
         if self._gather_stream is None:
             self._gather_stream = torch.cuda.Stream()
         stream = self._gather_stream
         stream.wait_stream(torch.cuda.current_stream())
-        inputs = [forward_batch.input_ids, hidden_states]
+        inputs = [hidden_states]
         inputs += [aux_hidden_states] if isinstance(aux_hidden_states, torch.Tensor) else list(aux_hidden_states)
         for tensor in inputs:
             tensor.record_stream(stream)
@@ -306,7 +306,7 @@ class HiddenStatesDumper:
         if isinstance(aux_hidden_states, torch.Tensor):
             # Packed by upstream's AuxHiddenStatePacker (0.5.23): [T, K * H], by ascending id.
             layers = dumped_rows(aux_hidden_states, spans).unflatten(-1, (len(self._aux_order), -1))
-            aux_rows = layers[:, self._aux_order]
+            aux_rows = layers[:, self._aux_order]  # indexing with a list copies
         else:
             aux_rows = torch.stack(
                 [dumped_rows(aux_hidden_states[j], spans) for j in self._aux_order], dim=1
@@ -314,7 +314,7 @@ class HiddenStatesDumper:
         rows = {
             "token_ids": self._token_ids(forward_batch, spans) if token_ids is None else token_ids,
             "hidden_states": aux_rows,
-            "last_hidden_state": dumped_rows(hidden_states, spans, copy=True),
+            "last_hidden_state": dumped_rows(hidden_states, spans),
         }
         if self.config.dtype == "bf16":
             for name in ("hidden_states", "last_hidden_state"):
@@ -322,13 +322,16 @@ class HiddenStatesDumper:
         elif self.config.dtype == "fp8":
             for name in ("hidden_states", "last_hidden_state"):
                 rows[name], rows[f"{name}_scale"] = quantize_rows(rows[name])
+        last = rows["last_hidden_state"]
+        if last.untyped_storage().data_ptr() == hidden_states.untyped_storage().data_ptr():
+            rows["last_hidden_state"] = last.clone()  # still a view: neither cut nor converted
         return rows
 
     @staticmethod
     def _token_ids(forward_batch, spans) -> torch.Tensor:
         """The dumped rows' token ids, copied: the next forward may refill the buffer
         they sit in (0.5.23 does, on the CPU)."""
-        return dumped_rows(forward_batch.input_ids, spans, copy=True).to(torch.int64)
+        return dumped_rows(forward_batch.input_ids, spans).to(torch.int64, copy=True)
 
     def _add_chunk(self, request: DumpRequest, prefix_len: int, chunk: Chunk) -> float:
         """Add a chunk to its request and submit the request once its prompt is whole;
@@ -352,10 +355,9 @@ class HiddenStatesDumper:
         return 0.0
 
 
-def dumped_rows(tensor: torch.Tensor, spans, copy: bool = False) -> torch.Tensor:
+def dumped_rows(tensor: torch.Tensor, spans) -> torch.Tensor:
     """The rows of `tensor` the spans (request, prefix_len, start, end) cover, in order: a
-    view when they are contiguous (a copy with `copy`), else a new tensor."""
+    view when they are contiguous, else a new tensor."""
     if len(spans) == 1 or all(a[3] == b[2] for a, b in zip(spans, spans[1:])):
-        rows = tensor[spans[0][2] : spans[-1][3]]
-        return rows.clone() if copy else rows
+        return tensor[spans[0][2] : spans[-1][3]]
     return torch.cat([tensor[start:end] for _, _, start, end in spans])
