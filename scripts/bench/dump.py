@@ -45,7 +45,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -141,6 +140,14 @@ class Contender:
     lands: bool = True
 
 
+def start_contender(run: BenchRun, label: str, name: str, contender: Contender) -> Server:
+    """Start the server of the contender called `name` (upstream runs the unpatched tree)."""
+    env = contender.env
+    if contender.dump_dir:
+        env = dict(env, SGLANG_HS_DUMP_DIR=str(contender.dump_dir))
+    return run.start_server(label, env, contender.extra, tree=upstream_tree() if name == "upstream" else None)
+
+
 def prefill_contenders(run: BenchRun) -> Dict[str, Contender]:
     """Each prefill contender; run.contenders, when set, keeps the ones whose name it
     matches (and always dump off, which the ratios divide by)."""
@@ -200,11 +207,7 @@ def suite_prefill(run: BenchRun) -> dict:
     dumps = {name: contender.dump_dir if contender.lands else None for name, contender in contenders.items()}
     servers = {}
     for index, (name, contender) in enumerate(contenders.items()):
-        env = contender.env
-        if contender.dump_dir:
-            env = dict(env, SGLANG_HS_DUMP_DIR=str(contender.dump_dir))
-        servers[name] = run.start_server(f"prefill-{index}", env, contender.extra,
-                                         tree=upstream_tree() if name == "upstream" else None)
+        servers[name] = start_contender(run, f"prefill-{index}", name, contender)
         if preset.get("start_one_at_a_time"):
             # Past its memory check (which counts what others take meanwhile as its own);
             # the warmups, which compile kernels for a minute, overlap.
@@ -524,14 +527,6 @@ def suite_profile(run: BenchRun) -> dict:
             "profile": summarize(read_stacks(raw), PY_SPY_RATE), "dump_profile": dump_profile(server, seconds)}
 
 
-def profiler(server: Server, path: str, body: dict) -> str:
-    """POST to one of SGLang's profiler endpoints, which answer in plain text."""
-    request = urllib.request.Request(f"{server.url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=900) as response:
-        return response.read().decode()
-
-
 def suite_trace(run: BenchRun) -> dict:
     """One round of the prefill workload on dump off and each --contenders match, under the
     torch profiler (SGLang's /start_profile and /stop_profile around a round), servers started one
@@ -542,9 +537,7 @@ def suite_trace(run: BenchRun) -> dict:
     servers, results = {}, {}
     try:
         for index, (name, contender) in enumerate(contenders.items()):
-            env = dict(contender.env, SGLANG_HS_DUMP_DIR=str(contender.dump_dir)) if contender.dump_dir else contender.env
-            servers[name] = run.start_server(f"trace-{index}", env, contender.extra,
-                                             tree=upstream_tree() if name == "upstream" else None)
+            servers[name] = start_contender(run, f"trace-{index}", name, contender)
             servers[name].wait_listening()
         for index, (name, server) in enumerate(servers.items()):
             server.wait_ready()
@@ -554,9 +547,9 @@ def suite_trace(run: BenchRun) -> dict:
             plain = send_and_land(server, prompts, dump_dir)
             clear_files(dump_dir)
             trace_dir = run.work / f"trace-{index}"
-            profiler(server, "/start_profile", {"output_dir": str(trace_dir), "activities": ["CPU", "GPU"]})
+            server.post_raw("/start_profile", {"output_dir": str(trace_dir), "activities": ["CPU", "GPU"]})
             profiled = send_and_land(server, prompts_for(preset["prompts"], preset["prompt_len"], seed=7001), dump_dir)
-            profiler(server, "/stop_profile", {})  # answers once the trace is written
+            server.post_raw("/stop_profile", {}, timeout=900)  # answers once the trace is written
             clear_files(dump_dir)
             traces = sorted(trace_dir.glob("*.trace.json*"))
             results[name] = {"round_s": round(plain, 3), "profiled_round_s": round(profiled, 3),

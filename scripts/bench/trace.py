@@ -31,12 +31,11 @@ def summarize_trace(path: Path) -> dict:
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not gpu:
         return {"gpu_events": 0}
-    first = min(e["ts"] for e in gpu)
-    last = max(e["ts"] + e["dur"] for e in gpu)
-    streams: Dict[str, dict] = {}
+    spans = lambda items: [(e["ts"], e["ts"] + e["dur"]) for e in items]
     by_stream = defaultdict(list)
     for event in gpu:
-        by_stream[event.get("args", {}).get("stream", "?")].append(event)
+        by_stream[str(event.get("args", {}).get("stream", "?"))].append(event)
+    streams: Dict[str, dict] = {}
     for stream, items in by_stream.items():
         memcpy = defaultdict(lambda: [0, 0.0, 0])  # kind: [count, us, bytes]
         for event in items:
@@ -45,36 +44,38 @@ def summarize_trace(path: Path) -> dict:
                 entry[0] += 1
                 entry[1] += event["dur"]
                 entry[2] += event.get("args", {}).get("bytes", 0)
-        streams[str(stream)] = {
+        streams[stream] = {
             "kernels": sum(e["cat"] == "kernel" for e in items),
             "kernel_us": round(sum(e["dur"] for e in items if e["cat"] == "kernel")),
-            "busy_us": round(busy_us([(e["ts"], e["ts"] + e["dur"]) for e in items])),
+            "busy_us": round(busy_us(spans(items))),
             "memcpy": {name: {"count": c, "us": round(us), "GB/s": round(b / us / 1e3, 2) if us else None}
                        for name, (c, us, b) in memcpy.items()},
         }
     kernels = defaultdict(lambda: [0, 0.0])
-    for event in gpu:
-        if event["cat"] == "kernel":
-            kernels[event["name"][:90]][0] += 1
-            kernels[event["name"][:90]][1] += event["dur"]
     runtime = defaultdict(lambda: [0, 0.0])
     for event in events:
-        if event.get("cat") == "cuda_runtime" or event.get("cat") == "cuda_driver":
-            key = f"{event['name']} (tid {event.get('tid')})"
-            runtime[key][0] += 1
-            runtime[key][1] += event["dur"]
+        if event.get("cat") == "kernel":
+            entry = kernels[event["name"][:90]]
+        elif event.get("cat") in ("cuda_runtime", "cuda_driver"):
+            entry = runtime[f"{event['name']} (tid {event.get('tid')})"]
+        else:
+            continue
+        entry[0] += 1
+        entry[1] += event["dur"]
     # The forward stream: the one with the most kernel time. Its idle stretches, each named
     # by what ran when it resumed (a copy waiting for the copy engine shows as a memcpy).
     forward = max(streams, key=lambda stream: streams[stream]["kernel_us"])
     gaps = defaultdict(lambda: [0, 0.0])
     reach = None
-    for event in sorted((e for e in gpu if str(e.get("args", {}).get("stream", "?")) == forward), key=lambda e: e["ts"]):
+    for event in sorted(by_stream[forward], key=lambda e: e["ts"]):
         if reach is not None and event["ts"] - reach > GAP_US:
             gaps[event["name"][:60]][0] += 1
             gaps[event["name"][:60]][1] += event["ts"] - reach
         reach = max(reach or event["ts"], event["ts"] + event["dur"])
     top = lambda table: {name: {"count": c, "us": round(us)}
                          for name, (c, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:TOP]}
-    return {"gpu_span_us": round(last - first), "gpu_busy_us": round(busy_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])),
+    return {"gpu_span_us": round(max(end for _, end in spans(gpu)) - min(e["ts"] for e in gpu)),
+            "gpu_busy_us": round(busy_us(spans(gpu))),
             "streams": streams, "forward_stream": forward,
-            f"forward_stream_gaps_over_{GAP_US}us_by_what_resumed": top(gaps), "kernels_by_time": top(kernels), "runtime_calls_by_time": top(runtime)}
+            f"forward_stream_gaps_over_{GAP_US}us_by_what_resumed": top(gaps), "kernels_by_time": top(kernels),
+            "runtime_calls_by_time": top(runtime)}

@@ -157,11 +157,16 @@ class Server:
             raise ServerFailed(f"server still running after {timeout:.0f}s:\n{self.log()[-6000:]}")
 
     def post(self, path: str, body: dict, timeout: float = 300) -> dict:
+        payload = self.post_raw(path, body, timeout)
+        return json.loads(payload) if payload else {}
+
+    def post_raw(self, path: str, body: dict, timeout: float = 300) -> bytes:
+        """POST `body` as JSON; the answer's bytes as they come (some endpoints answer in
+        plain text)."""
         request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            payload = response.read()
-        return json.loads(payload) if payload else {}
+            return response.read()
 
     def generate(self, input_ids, max_new_tokens: int = 2, **extra) -> dict:
         return self.post("/generate", {"input_ids": input_ids,
