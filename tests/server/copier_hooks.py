@@ -4,6 +4,7 @@ server test checks the slicing on the real server, row for row against the oracl
 itself does nothing; the factory is the way into the scheduler process, before the first
 forward builds the copier."""
 
+
 def small_slices(config):
     from sglang.srt.hidden_states_dump import copier
 
@@ -15,4 +16,3 @@ def small_slices_hook(slice_bytes: int) -> dict:
     """One --forward-hooks entry (join it to the others' list)."""
     return {"name": "small_slices", "target_modules": ["model.norm"],
             "hook_factory": "tests.server.copier_hooks:small_slices", "config": {"bytes": slice_bytes}}
-

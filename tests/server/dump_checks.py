@@ -37,7 +37,7 @@ class OracleServer(Server):
                  extra_hooks: Sequence[dict] = (), **env):
         self.oracle_dir = tmp_path / "oracle"
         self.oracle_dir.mkdir()
-        hooks = json.dumps(json.loads(oracle_hooks.hook_specs(self.oracle_dir, num_layers, decoder)) + list(extra_hooks))
+        hooks = json.dumps(oracle_hooks.hook_specs(self.oracle_dir, num_layers, decoder) + list(extra_hooks))
         super().__init__(model, tmp_path / "server.log",
                          runtime_env(SGLANG_HS_DUMP_DIR=str(tmp_path / "dump"), **env),
                          [*extra_args, "--forward-hooks", hooks])

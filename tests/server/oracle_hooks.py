@@ -22,7 +22,6 @@ prompts across batched and chunked forwards.
 """
 
 import itertools
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, Hashable, List, NamedTuple, Sequence, Set
@@ -71,16 +70,16 @@ def record_output(config):
     return hook
 
 
-def hook_specs(out_dir: Path, num_layers: int, decoder: str = "model") -> str:
-    """The --forward-hooks JSON for the decoder at module path `decoder`; target names are
-    exact (a pattern would match submodules)."""
+def hook_specs(out_dir: Path, num_layers: int, decoder: str = "model") -> List[dict]:
+    """The --forward-hooks entries for the decoder at module path `decoder`; target names
+    are exact (a pattern would match submodules)."""
     targets = [("embed", f"{decoder}.embed_tokens", {"kind": "embed"}), ("norm", f"{decoder}.norm", {"kind": "norm"})]
     targets += [(f"layer{i}", f"{decoder}.layers.{i}", {"kind": "layer", "index": i}) for i in range(num_layers)]
-    return json.dumps([
+    return [
         {"name": name, "target_modules": [module], "hook_factory": "tests.server.oracle_hooks:record_output",
          "config": {"dir": str(out_dir), **config}}
         for name, module, config in targets
-    ])
+    ]
 
 
 def forward_files(out_dir: Path) -> List[Path]:
