@@ -106,9 +106,7 @@ PRESETS = {
                      # Where the time of a dump to memory goes (pick them with --contenders: at
                      # this preset four servers fit the GPU, a fifth fails SGLang's memory check).
                      tmpfs_stages={"capture skipped": "capture_skipped", "rows not copied": "rows_not_copied",
-                                   "copied, not written": "copied_not_written"},
-                     # The same dump, done another way (scripts/bench/dump_stages.py); it lands its files.
-                     tmpfs_hooks={"copies queued": "copies_queued"}),
+                                   "copied, not written": "copied_not_written"}),
 }
 
 
@@ -169,10 +167,6 @@ def prefill_contenders(run: BenchRun) -> Dict[str, Contender]:
             dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{stage}-", dir=preset["tmpfs_dir"]))
             contenders[f"patched, dump on (tmpfs, {label})"] = Contender(
                 dump_dir, extra=("--forward-hooks", forward_hooks_arg(stage)), lands=False)
-        for label, hook in preset.get("tmpfs_hooks", {}).items():
-            dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{hook}-", dir=preset["tmpfs_dir"]))
-            contenders[f"patched, dump on (tmpfs, {label})"] = Contender(
-                dump_dir, extra=("--forward-hooks", forward_hooks_arg(hook)))
     if run.contenders:
         contenders = {name: contender for name, contender in contenders.items()
                       if name == "patched, dump off" or re.search(run.contenders, name)}

@@ -13,15 +13,11 @@ tests/server/fault_hooks.py does) and replaces one stage of the dump in that pro
 
 The hooks themselves do nothing. A server with any of them lands no files; its round ends at
 its last response.
-
-`copies_queued` leaves nothing out: it queues each forward's slices at once on the copy
-stream from the scheduler thread instead of pacing them on the copier's thread (copier.PACED),
-and its server lands every file.
 """
 
 import json
 
-STAGES = ("capture_skipped", "rows_not_copied", "copied_not_written", "copies_queued")
+STAGES = ("capture_skipped", "rows_not_copied", "copied_not_written")
 
 
 def capture_skipped(config):
@@ -53,7 +49,7 @@ def copied_not_written(config):
 
     def write_file(self, job):
         for chunk in job.chunks:
-            chunk.rows.wait()
+            chunk.wait()
         return sum(chunk.end - chunk.start for chunk in job.chunks)
 
     def publish(self, num_tokens):
@@ -62,13 +58,6 @@ def copied_not_written(config):
 
     DumpWriter.write_file = write_file
     DumpWriter._publish = publish
-    return lambda module, inputs, output: None
-
-
-def copies_queued(config):
-    from sglang.srt.hidden_states_dump import copier
-
-    copier.PACED = False
     return lambda module, inputs, output: None
 
 

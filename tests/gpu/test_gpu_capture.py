@@ -1,5 +1,7 @@
 """On a GPU: the patched server with CUDA graphs on (the default) and off dumps the values
-transformers computes on the same weights (relative error at most 1e-2 per layer).
+transformers computes on the same weights (relative error at most 1e-2 per layer), and so it
+does with every forward's rows crossing to the host in slices of a row (the copier's slices
+are 16 MiB, more than this prompt's rows).
 
 Run by scripts/bench/gpu/run_checks.sh on the GPU machine; skipped where there is no GPU.
 GPU models keep DeepSeek-V3's attention widths: SGLang's Triton MLA kernels need them.
@@ -16,6 +18,7 @@ import torch
 
 from scripts.dumps.server import Server, has_gpu, runtime_env, wait_for_manifest
 from scripts.dumps.tiny_model import ensure_model
+from tests.server.copier_hooks import small_slices_hook
 
 pytestmark = pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 
@@ -65,13 +68,16 @@ def record_result(name: str, result: dict) -> None:
     RESULTS.write_text(json.dumps(results, indent=1))
 
 
-@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["cuda-graphs", "no-cuda-graph"])
-def test_dump_equals_transformers(model, reference, tmp_path, cuda_graphs):
+@pytest.mark.parametrize("cuda_graphs, slice_bytes", [(True, None), (False, None), (False, 4096)],
+                         ids=["cuda-graphs", "no-cuda-graph", "no-cuda-graph-row-slices"])
+def test_dump_equals_transformers(model, reference, tmp_path, cuda_graphs, slice_bytes):
     prompt, references = reference
     layers = list(range(NUM_LAYERS + 1))
     dump_dir = tmp_path / "dump"
     env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_HS_DUMP_LAYERS=",".join(map(str, layers)))
     extra = [] if cuda_graphs else ["--disable-cuda-graph"]
+    if slice_bytes:
+        extra += ["--forward-hooks", json.dumps([small_slices_hook(slice_bytes)])]
     log = tmp_path / "server.log"
     started = time.monotonic()
     with Server(model, log, env, extra) as server:
@@ -89,11 +95,14 @@ def test_dump_equals_transformers(model, reference, tmp_path, cuda_graphs):
     dumped["last_hidden_state"] = record.last_hidden_state
     errors = {dtype: {name: relative_error(value, streams[name]) for name, value in dumped.items()}
               for dtype, streams in references.items()}
-    record_result("cuda-graphs" if cuda_graphs else "no-cuda-graph", {
+    name = ("cuda-graphs" if cuda_graphs else "no-cuda-graph") + ("-row-slices" if slice_bytes else "")
+    record_result(name, {
         "relative_error_vs_transformers": errors, "ready_s": round(ready_s, 1),
         "output_ids": response["output_ids"],
         "graph_lines": [line for line in text.splitlines() if "cuda graph:" in line][-3:],
     })
+    if slice_bytes:
+        assert f"in slices of at most {slice_bytes} bytes" in text
     if cuda_graphs:
         assert "cuda graph: True" in text, "the warmup prefill should replay a prefill CUDA graph"
     for name, error in errors["float32"].items():

@@ -1,6 +1,7 @@
-"""The rows' copy to the host: on its own thread, in slices of at most slice_bytes, in the
-order submitted; a failed copy fails its Landing (and so the writes that wait on it) and
-the copier goes on with the next forward's rows."""
+"""The rows' copy to the host: on its own thread, in slices of at most slice_bytes taken
+row-wise across every tensor of a forward, in the order submitted; a writer waits for its
+own rows only; a failed copy fails its Landing (and so the writes that wait on it) and the
+copier goes on with the next forward's rows."""
 
 import threading
 
@@ -10,15 +11,17 @@ import torch
 from sglang.srt.hidden_states_dump.copier import Landing, RowsCopier, row_slices
 
 
-def test_row_slices_cover_the_rows_within_the_bound():
-    rows = torch.zeros(10, 3, 4, dtype=torch.bfloat16)  # 24 bytes a row
-    assert list(row_slices(rows, 50)) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
-    assert list(row_slices(rows, 10)) == [(i, i + 1) for i in range(10)]  # one row at least
-    assert list(row_slices(rows, 1 << 20)) == [(0, 10)]
+def test_row_slices_cover_the_rows_of_every_tensor_within_the_bound():
+    token_ids = torch.zeros(10, dtype=torch.int64)
+    states = torch.zeros(10, 3, 4, dtype=torch.bfloat16)  # with its token id, 32 bytes a row
+    pairs = [(token_ids, None), (states, None)]
+    assert list(row_slices(pairs, 64)) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    assert list(row_slices(pairs, 10)) == [(i, i + 1) for i in range(10)]  # one row at least
+    assert list(row_slices(pairs, 1 << 20)) == [(0, 10)]
 
 
 def test_copies_every_forward_in_slices_on_its_own_thread():
-    copier = RowsCopier(torch.device("cpu"), slice_bytes=64)
+    copier = RowsCopier(torch.device("cpu"), slice_bytes=150)
     threads, sliced = set(), []
     original = torch.Tensor.copy_
 
@@ -31,7 +34,7 @@ def test_copies_every_forward_in_slices_on_its_own_thread():
     torch.Tensor.copy_ = recording_copy
     try:
         for forward in range(3):
-            states = torch.randn(7, 2, 8) + forward  # 64 bytes a row in float32
+            states = torch.randn(7, 2, 8) + forward  # 64 bytes a row in float32, 72 with the id
             token_ids = torch.arange(7, dtype=torch.int64) + 100 * forward
             host = (torch.empty_like(token_ids), torch.empty_like(states))
             landing = Landing()
@@ -43,8 +46,8 @@ def test_copies_every_forward_in_slices_on_its_own_thread():
     finally:
         torch.Tensor.copy_ = original
     assert threads == {"hidden-states-dump-copier"}
-    # Token ids (8 bytes a row) in one slice of 7 rows, the states a row at a time.
-    assert sliced == [7, 1, 1, 1, 1, 1, 1, 1] * 3
+    # Two rows of both tensors a slice, the last slice the one row left.
+    assert sliced == [2, 2, 2, 2, 2, 2, 1, 1] * 3
 
 
 def test_a_failed_copy_fails_its_landing_and_not_the_next():
@@ -58,3 +61,30 @@ def test_a_failed_copy_fails_its_landing_and_not_the_next():
         broken.wait()
     whole.wait()
     assert torch.equal(target, source)
+
+
+def test_a_writer_waits_for_its_own_rows_only():
+    copier = RowsCopier(torch.device("cpu"), slice_bytes=64)  # a row of 64 bytes a slice
+    second_slice = threading.Event()
+    original = torch.Tensor.copy_
+
+    def held_copy(self, source, *args, **kwargs):
+        if source.data_ptr() == states[1].data_ptr():
+            second_slice.wait()
+        return original(self, source, *args, **kwargs)
+
+    states = torch.randn(3, 16)
+    host = torch.zeros(3, 16)
+    landing = Landing()
+    torch.Tensor.copy_ = held_copy
+    try:
+        copier.submit([(states, host)], None, landing)
+        landing.wait(1)  # the first row's writer goes on while the copier holds the second
+        assert torch.equal(host[0], states[0])
+        assert not host[1:].any()
+        second_slice.set()
+        landing.wait()
+    finally:
+        second_slice.set()
+        torch.Tensor.copy_ = original
+    assert torch.equal(host, states)

@@ -7,7 +7,9 @@ of a dumping server back by that long (BENCHMARKS.md, "The forward stream waits 
 rows"). So the copier issues the rows in slices of SLICE_BYTES and the next slice only once
 the one before has landed: a copy of SGLang's waits for one slice at most.
 
-Writers wait on each forward's Landing; a copy that fails fails the writes that need it.
+A slice is a range of rows of every tensor of the forward, in row order, so the first
+requests' rows land first: a writer waits on the forward's Landing for its own rows only and
+writes them while the rest are still crossing. A copy that fails fails the writes that wait.
 """
 
 import logging
@@ -22,35 +24,44 @@ logger = logging.getLogger(__name__)
 
 # 0.3 ms at an H200's 55 GB/s: a copy of SGLang's waits no longer than that for the dump's.
 SLICE_BYTES = 16 << 20
-# On a CUDA device: one slice in flight, issued by the copier's thread (True), or every
-# slice of a forward queued at once on the copy stream by the thread that submits (False).
-PACED = True
 
 
 class Landing:
-    """Whether one forward's rows have reached the host."""
+    """How many of one forward's rows (from the first) have reached the host."""
 
     def __init__(self):
-        self._done = threading.Event()
+        self._changed = threading.Condition()
+        self._rows = 0
+        self._all = False
         self._error: Optional[BaseException] = None
-        self._event: Optional[torch.cuda.Event] = None
 
-    def landed(self, event: Optional[torch.cuda.Event] = None) -> None:
-        """The rows have landed, or will have once `event` completes."""
-        self._event = event
-        self._done.set()
+    def landed(self, rows: Optional[int] = None) -> None:
+        """The first `rows` rows have landed (None: all of them)."""
+        with self._changed:
+            if rows is None:
+                self._all = True
+            else:
+                self._rows = rows
+            self._changed.notify_all()
 
     def failed(self, error: BaseException) -> None:
-        self._error = error
-        self._done.set()
+        with self._changed:
+            self._error = error
+            self._changed.notify_all()
 
-    def wait(self) -> None:
-        """Return once the rows are on the host; raise if their copy failed."""
-        self._done.wait()
-        if self._event is not None:
-            self._event.synchronize()
-        if self._error is not None:
-            raise RuntimeError(f"the rows' copy to the host failed: {self._error!r}") from self._error
+    def wait(self, rows: Optional[int] = None) -> None:
+        """Return once the first `rows` rows (None: all) are on the host; raise if their
+        copy failed."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._error is not None
+                or self._all
+                or (rows is not None and self._rows >= rows)
+            )
+            if self._error is not None:
+                raise RuntimeError(
+                    f"the rows' copy to the host failed: {self._error!r}"
+                ) from self._error
 
 
 @dataclass
@@ -60,12 +71,15 @@ class CopyJob:
     landing: Landing
 
 
-def row_slices(rows: torch.Tensor, slice_bytes: int) -> Iterator[Tuple[int, int]]:
-    """(start, end) row ranges of `rows` of at most `slice_bytes` each (one row at least)."""
-    row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 1
+def row_slices(pairs, slice_bytes: int) -> Iterator[Tuple[int, int]]:
+    """(start, end) row ranges of the rows in `pairs` (tensors of one forward, alike in
+    rows), taken across all of them, of at most `slice_bytes` each (one row at least)."""
+    rows = [device_rows for device_rows, _ in pairs]
+    num_rows = rows[0].shape[0]
+    row_bytes = sum(t[0].numel() * t.element_size() for t in rows) if num_rows else 1
     step = max(1, slice_bytes // max(1, row_bytes))
-    for start in range(0, rows.shape[0], step):
-        yield start, min(start + step, rows.shape[0])
+    for start in range(0, num_rows, step):
+        yield start, min(start + step, num_rows)
 
 
 class RowsCopier:
@@ -78,7 +92,6 @@ class RowsCopier:
         self.device = device
         self.slice_bytes = slice_bytes or SLICE_BYTES
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self.paced = PACED or self.stream is None
         self._jobs: "queue.SimpleQueue[CopyJob]" = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._run, name="hidden-states-dump-copier", daemon=True
@@ -87,23 +100,10 @@ class RowsCopier:
         logger.info(
             f"hidden states dump: rows copied to the host on {device} in slices of at "
             f"most {self.slice_bytes} bytes"
-            + ("" if self.paced else ", all queued at once")
         )
 
     def submit(self, pairs, gathered: Optional[torch.cuda.Event], landing: Landing) -> None:
-        if self.paced:
-            self._jobs.put(CopyJob(list(pairs), gathered, landing))
-            return
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(gathered)
-            for device_rows, host_rows in pairs:
-                for start, end in row_slices(device_rows, self.slice_bytes):
-                    host_rows[start:end].copy_(device_rows[start:end], non_blocking=True)
-                # Freed by the caller once queued: not reused before the copies are done.
-                device_rows.record_stream(self.stream)
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
-        landing.landed(copied)
+        self._jobs.put(CopyJob(list(pairs), gathered, landing))
 
     def _run(self) -> None:
         if self.stream is not None:
@@ -122,14 +122,16 @@ class RowsCopier:
 
     def _copy(self, job: CopyJob, sliced: Optional[torch.cuda.Event]) -> None:
         if self.stream is None:
-            for device_rows, host_rows in job.pairs:
-                for start, end in row_slices(device_rows, self.slice_bytes):
+            for start, end in row_slices(job.pairs, self.slice_bytes):
+                for device_rows, host_rows in job.pairs:
                     host_rows[start:end].copy_(device_rows[start:end])
+                job.landing.landed(end)
             return
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(job.gathered)
-            for device_rows, host_rows in job.pairs:
-                for start, end in row_slices(device_rows, self.slice_bytes):
+            for start, end in row_slices(job.pairs, self.slice_bytes):
+                for device_rows, host_rows in job.pairs:
                     host_rows[start:end].copy_(device_rows[start:end], non_blocking=True)
-                    sliced.record(self.stream)
-                    sliced.synchronize()
+                sliced.record(self.stream)
+                sliced.synchronize()
+                job.landing.landed(end)

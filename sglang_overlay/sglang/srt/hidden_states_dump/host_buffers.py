@@ -32,9 +32,10 @@ class HostRows:
         """The file's tensors, in file order."""
         return [name for name in FILE_TENSORS if getattr(self, name) is not None]
 
-    def wait(self) -> None:
+    def wait(self, rows: Optional[int] = None) -> None:
+        """Return once the first `rows` rows (None: all) are valid."""
         if self.ready is not None:
-            self.ready.wait()
+            self.ready.wait(rows)
 
 
 @dataclass
@@ -44,6 +45,10 @@ class Chunk:
     rows: HostRows
     start: int  # row range of this request inside `rows`
     end: int
+
+    def wait(self) -> None:
+        """Return once this chunk's rows are valid (the forward's later rows may not be)."""
+        self.rows.wait(self.end)
 
     def take(self, name: str) -> torch.Tensor:
         return getattr(self.rows, name)[self.start : self.end]

@@ -192,7 +192,7 @@ class DumpWriter:
         renames and lists it in its turn."""
         started = time.perf_counter()
         for chunk in job.chunks:
-            chunk.rows.wait()
+            chunk.wait()
         copied = time.perf_counter()
         parts = {
             name: [chunk.take(name) for chunk in job.chunks]
