@@ -6,8 +6,9 @@ tests/server/fault_hooks.py does) and replaces one stage of the dump in that pro
 
 - `capture_skipped`: the model still captures its layers and hands them to the dump, which
   returns at once: what capturing the layers costs the forward.
-- `rows_not_copied`: the dumped requests' rows are gathered (and converted) on the gather
-  stream as the dump does, then dropped: the device-side work, without the copies to the host.
+- `rows_not_copied`: the dumped requests' rows are gathered (and converted to bf16 when
+  asked) on the gather stream as the dump does, then dropped: the device-side work, without
+  the copies to the host (and without fp8's quantization, which the copier does).
 - `copied_not_written`: everything up to the writer threads, which wait for each copy and
   write nothing: the copies, without the files.
 

@@ -38,7 +38,8 @@ def test_copies_every_forward_in_slices_on_its_own_thread():
             token_ids = torch.arange(7, dtype=torch.int64) + 100 * forward
             host = (torch.empty_like(token_ids), torch.empty_like(states))
             landing = Landing()
-            copier.submit([(token_ids, host[0]), (states, host[1])], None, landing)
+            copier.submit({"token_ids": token_ids, "hidden_states": states},
+                          {"token_ids": host[0], "hidden_states": host[1]}, None, landing)
             forwards.append((token_ids, states, host, landing))
         for token_ids, states, host, landing in forwards:
             landing.wait()
@@ -53,10 +54,10 @@ def test_copies_every_forward_in_slices_on_its_own_thread():
 def test_a_failed_copy_fails_its_landing_and_not_the_next():
     copier = RowsCopier(torch.device("cpu"))
     broken, whole = Landing(), Landing()
-    copier.submit([(torch.ones(4, 3), torch.empty(4, 5))], None, broken)  # shapes disagree
+    copier.submit({"hidden_states": torch.ones(4, 3)}, {"hidden_states": torch.empty(4, 5)}, None, broken)  # shapes disagree
     source = torch.randn(4, 3)
     target = torch.empty(4, 3)
-    copier.submit([(source, target)], None, whole)
+    copier.submit({"hidden_states": source}, {"hidden_states": target}, None, whole)
     with pytest.raises(RuntimeError, match="copy to the host failed"):
         broken.wait()
     whole.wait()
@@ -78,7 +79,7 @@ def test_a_writer_waits_for_its_own_rows_only():
     landing = Landing()
     torch.Tensor.copy_ = held_copy
     try:
-        copier.submit([(states, host)], None, landing)
+        copier.submit({"hidden_states": states}, {"hidden_states": host}, None, landing)
         landing.wait(1)  # the first row's writer goes on while the copier holds the second
         assert torch.equal(host[0], states[0])
         assert not host[1:].any()
@@ -88,3 +89,34 @@ def test_a_writer_waits_for_its_own_rows_only():
         second_slice.set()
         torch.Tensor.copy_ = original
     assert torch.equal(host, states)
+
+
+def test_fp8_rows_are_quantized_on_the_copiers_thread_into_the_layout_made_before():
+    from sglang.srt.hidden_states_dump import format as dump_format
+
+    rows = {"token_ids": torch.arange(5, dtype=torch.int64),
+            "hidden_states": torch.randn(5, 2, 8, dtype=torch.bfloat16),
+            "last_hidden_state": torch.randn(5, 8, dtype=torch.bfloat16)}
+    layout = dump_format.quantized_file_rows_like(rows)
+    targets = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in layout.items()}
+    threads = []
+    original = dump_format.quantize_rows
+
+    def recording_quantize(tensor):
+        threads.append(threading.current_thread().name)
+        return original(tensor)
+
+    dump_format.quantize_rows = recording_quantize
+    try:
+        landing = Landing()
+        RowsCopier(torch.device("cpu"), slice_bytes=64).submit(rows, targets, None, landing, quantize=True)
+        landing.wait()
+    finally:
+        dump_format.quantize_rows = original
+    assert threads == ["hidden-states-dump-copier"] * 2
+    expected = dump_format.quantize_file_rows(rows)
+    assert set(targets) == set(expected)
+    for name, target in targets.items():
+        assert target.dtype == expected[name].dtype and target.shape == expected[name].shape
+        assert torch.equal(target.view(torch.uint8) if target.dtype == torch.float8_e4m3fn else target,
+                           expected[name].view(torch.uint8) if target.dtype == torch.float8_e4m3fn else expected[name])

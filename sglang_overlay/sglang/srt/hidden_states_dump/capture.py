@@ -28,7 +28,7 @@ from sglang.srt.hidden_states_dump.format import (
     DumpTimings,
     file_metadata,
     manifest_name,
-    quantize_rows,
+    quantized_file_rows_like,
 )
 from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostBuffers
 from sglang.srt.hidden_states_dump.requests import DumpRequest
@@ -261,13 +261,16 @@ class HiddenStatesDumper:
             self.writer.stats.add(discarded=1)
 
     def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans):
-        """The forward's rows in host rows that the copier fills behind the forward."""
+        """The forward's rows in host rows that the copier fills behind the forward (in fp8
+        it quantizes them first, off the scheduler thread)."""
         if self._copier is None:
             self._copier = RowsCopier(hidden_states.device)
         device_rows, gathered = self._gather(forward_batch, hidden_states, aux_hidden_states, spans)
-        host_rows = self.host_buffers.rows(device_rows, ready=Landing())
-        pairs = [(tensor, getattr(host_rows, name)) for name, tensor in device_rows.items()]
-        self._copier.submit(pairs, gathered, host_rows.ready)
+        fp8 = self.config.dtype == "fp8"
+        layout = quantized_file_rows_like(device_rows) if fp8 else device_rows
+        host_rows = self.host_buffers.rows(layout, ready=Landing())
+        targets = {name: getattr(host_rows, name) for name in layout}
+        self._copier.submit(device_rows, targets, gathered, host_rows.ready, fp8)
         return host_rows
 
     def _gather(self, forward_batch, hidden_states, aux_hidden_states, spans):
@@ -298,11 +301,11 @@ class HiddenStatesDumper:
         return stream
 
     def _rows(self, forward_batch, hidden_states, aux_hidden_states, spans, token_ids=None):
-        """The dumped requests' rows of this forward, in the file's form: token ids,
-        captured layers [T, K, H] in the configured order, the final state, converted
-        or quantized as SGLANG_HS_DUMP_DTYPE says. Each is the dump's own tensor, never a
-        view of the forward's: the copier reads them after the forward has gone on.
-        `token_ids`: the ids when already taken."""
+        """The dumped requests' rows of this forward: token ids, captured layers [T, K, H]
+        in the configured order, the final state, in bf16 when SGLANG_HS_DUMP_DTYPE says
+        so (fp8 is quantized by the copier). Each is the dump's own tensor, never a view of
+        the forward's: the copier reads them after the forward has gone on. `token_ids`:
+        the ids when already taken."""
         if isinstance(aux_hidden_states, torch.Tensor):
             # Packed by upstream's AuxHiddenStatePacker (0.5.23): [T, K * H], by ascending id.
             layers = dumped_rows(aux_hidden_states, spans).unflatten(-1, (len(self._aux_order), -1))
@@ -319,9 +322,6 @@ class HiddenStatesDumper:
         if self.config.dtype == "bf16":
             for name in ("hidden_states", "last_hidden_state"):
                 rows[name] = rows[name].to(torch.bfloat16)
-        elif self.config.dtype == "fp8":
-            for name in ("hidden_states", "last_hidden_state"):
-                rows[name], rows[f"{name}_scale"] = quantize_rows(rows[name])
         last = rows["last_hidden_state"]
         if last.untyped_storage().data_ptr() == hidden_states.untyped_storage().data_ptr():
             rows["last_hidden_state"] = last.clone()  # still a view: neither cut nor converted

@@ -10,15 +10,21 @@ the one before has landed: a copy of SGLang's waits for one slice at most.
 A slice is a range of rows of every tensor of the forward, in row order, so the first
 requests' rows land first: a writer waits on the forward's Landing for its own rows only and
 writes them while the rest are still crossing. A copy that fails fails the writes that wait.
+
+In fp8 the copier quantizes the rows before it copies them (on the copy stream on a GPU):
+the kernels are launched on its thread, not the scheduler's.
 """
 
 import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from contextlib import nullcontext
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+
+from sglang.srt.hidden_states_dump.format import quantize_file_rows
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +72,11 @@ class Landing:
 
 @dataclass
 class CopyJob:
-    pairs: List[Tuple[torch.Tensor, torch.Tensor]]  # (device rows, host rows), alike in shape
+    rows: Dict[str, torch.Tensor]  # the forward's rows on the device, by file tensor name
+    targets: Dict[str, torch.Tensor]  # the host rows they are copied into, by the same names
     gathered: Optional[torch.cuda.Event]  # recorded once the device rows are complete
     landing: Landing
+    quantize: bool  # quantize the rows to fp8 first (the targets have fp8's layout)
 
 
 def row_slices(pairs, slice_bytes: int) -> Iterator[Tuple[int, int]]:
@@ -102,8 +110,17 @@ class RowsCopier:
             f"most {self.slice_bytes} bytes"
         )
 
-    def submit(self, pairs, gathered: Optional[torch.cuda.Event], landing: Landing) -> None:
-        self._jobs.put(CopyJob(list(pairs), gathered, landing))
+    def submit(
+        self,
+        rows: Dict[str, torch.Tensor],
+        targets: Dict[str, torch.Tensor],
+        gathered: Optional[torch.cuda.Event],
+        landing: Landing,
+        quantize: bool = False,
+    ) -> None:
+        """Copy `rows` (quantized to fp8 first when `quantize`) into `targets`, every
+        target filled from the row tensor of its name, once `gathered` has completed."""
+        self._jobs.put(CopyJob(rows, targets, gathered, landing, quantize))
 
     def _run(self) -> None:
         if self.stream is not None:
@@ -121,17 +138,16 @@ class RowsCopier:
             del job  # the device rows go back to their stream's pool, copied
 
     def _copy(self, job: CopyJob, sliced: Optional[torch.cuda.Event]) -> None:
-        if self.stream is None:
-            for start, end in row_slices(job.pairs, self.slice_bytes):
-                for device_rows, host_rows in job.pairs:
-                    host_rows[start:end].copy_(device_rows[start:end])
-                job.landing.landed(end)
-            return
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(job.gathered)
-            for start, end in row_slices(job.pairs, self.slice_bytes):
-                for device_rows, host_rows in job.pairs:
-                    host_rows[start:end].copy_(device_rows[start:end], non_blocking=True)
-                sliced.record(self.stream)
-                sliced.synchronize()
+        on_device = self.stream is not None
+        with torch.cuda.stream(self.stream) if on_device else nullcontext():
+            if on_device:
+                self.stream.wait_event(job.gathered)
+            rows = quantize_file_rows(job.rows) if job.quantize else job.rows
+            pairs = [(rows[name], target) for name, target in job.targets.items()]
+            for start, end in row_slices(pairs, self.slice_bytes):
+                for device_rows, host_rows in pairs:
+                    host_rows[start:end].copy_(device_rows[start:end], non_blocking=on_device)
+                if on_device:
+                    sliced.record(self.stream)
+                    sliced.synchronize()
                 job.landing.landed(end)

@@ -108,6 +108,29 @@ def quantize_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return quantized, scale
 
 
+# The file's tensors that fp8 quantizes, each with its scales as `<name>_scale`.
+QUANTIZED_TENSORS = ("hidden_states", "last_hidden_state")
+
+
+def quantize_file_rows(rows: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A forward's rows in the file's fp8 form: each state tensor quantized, with its scales."""
+    quantized = dict(rows)
+    for name in QUANTIZED_TENSORS:
+        quantized[name], quantized[f"{name}_scale"] = quantize_rows(rows[name])
+    return quantized
+
+
+def quantized_file_rows_like(rows: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Tensors without storage (the meta device) shaped and typed as quantize_file_rows(rows)
+    makes them: what the host rows are laid out by before anything is quantized."""
+    layout = dict(rows)
+    for name in QUANTIZED_TENSORS:
+        shape = rows[name].shape
+        layout[name] = torch.empty(shape, dtype=torch.float8_e4m3fn, device="meta")
+        layout[f"{name}_scale"] = torch.empty(shape[:-1], dtype=torch.float32, device="meta")
+    return layout
+
+
 def dequantize_rows(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (quantized.float() * scale.unsqueeze(-1)).to(dtype)
 
