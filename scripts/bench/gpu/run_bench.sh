@@ -6,7 +6,7 @@
 # `pinned` scripts/bench/pinned.py (pinned host allocations, cold and warm); any other name
 # is a scripts/bench/dump.py suite, run with the preset BENCH_PRESET (default gpu; gpu-rank:
 # a TP8 rank's compute) and, when set, --contenders "$BENCH_CONTENDERS". BENCH_DEADLINE_S, when set,
-# is bench_dump's --deadline-s; BENCH_TIMEOUT_S, when set, stops bench_dump after that
+# is bench_dump's --deadline-s, BENCH_PROMPTS its --prompts; BENCH_TIMEOUT_S, when set, stops bench_dump after that
 # many seconds, so its log and the servers' logs still reach $OUT before the call's own
 # limit. Results land in $OUT/bench-*.json, bench_dump's output in $OUT/bench-gpu*.log as
 # it runs; the profile suite's raw py-spy samples in $OUT/py-spy-raw-*.txt.gz, the trace suite's
@@ -56,6 +56,7 @@ done
 WORK_ROOT=${BENCH_WORK_ROOT:-/tmp}
 deadline=()
 [ -n "${BENCH_DEADLINE_S:-}" ] && deadline=(--deadline-s "$BENCH_DEADLINE_S")
+[ -n "${BENCH_PROMPTS:-}" ] && deadline+=(--prompts "$BENCH_PROMPTS")  # prompts a round, for longer rounds
 contenders=()  # BENCH_CONTENDERS: the prefill suite's --contenders regex
 [ -n "${BENCH_CONTENDERS:-}" ] && contenders=(--contenders "$BENCH_CONTENDERS")
 bench_dump() {  # bench_dump NAME SUITE_ARGS...: one bench_dump process, its results and log named NAME
