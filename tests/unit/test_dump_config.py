@@ -199,14 +199,20 @@ def without_dac_override():
         raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
 
 
-def check_dump_dir_without_dac_override(path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c",
-         "import sys; from sglang.srt.hidden_states_dump.config import check_dump_dir; check_dump_dir(sys.argv[1])",
-         str(path)],
-        env=dict(os.environ, PYTHONPATH=os.environ["SGLANG_CHECKOUT"]),
-        preexec_fn=without_dac_override, capture_output=True, text=True, timeout=120,
-    )
+# In one child (importing SGLang takes seconds): the check on the directory as the parent left
+# it, then, made writable by its owner, the same check again. Exit 3: the first check passed.
+CHECK_TWICE = """
+import os, sys
+from sglang.srt.hidden_states_dump.config import check_dump_dir
+try:
+    check_dump_dir(sys.argv[1])
+except ValueError as e:
+    print("refused:", e, file=sys.stderr)
+else:
+    sys.exit(3)
+os.chmod(sys.argv[1], 0o700)
+check_dump_dir(sys.argv[1])
+"""
 
 
 def test_check_dump_dir_refuses_a_read_only_directory(tmp_path):
@@ -215,14 +221,17 @@ def test_check_dump_dir_refuses_a_read_only_directory(tmp_path):
     is writable, so the refusal is the directory's mode and nothing else."""
     tmp_path.chmod(0o500)
     try:
-        refused = check_dump_dir_without_dac_override(tmp_path)
+        child = subprocess.run(
+            [sys.executable, "-c", CHECK_TWICE, str(tmp_path)],
+            env=dict(os.environ, PYTHONPATH=os.environ["SGLANG_CHECKOUT"]),
+            preexec_fn=without_dac_override, capture_output=True, text=True, timeout=120,
+        )
     finally:
         tmp_path.chmod(0o700)
-    assert refused.returncode != 0
-    assert "is not a writable directory" in refused.stderr and "Permission denied" in refused.stderr, \
-        refused.stderr[-3000:]
-    accepted = check_dump_dir_without_dac_override(tmp_path)
-    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert child.returncode != 3, "the read-only directory was accepted"
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "refused:" in child.stderr and "is not a writable directory" in child.stderr \
+        and "Permission denied" in child.stderr, child.stderr[-3000:]
     assert os.listdir(tmp_path) == []
 
 
