@@ -56,13 +56,14 @@ done
 WORK_ROOT=${BENCH_WORK_ROOT:-/tmp}
 deadline=()
 [ -n "${BENCH_DEADLINE_S:-}" ] && deadline=(--deadline-s "$BENCH_DEADLINE_S")
-[ -n "${BENCH_PROMPTS:-}" ] && deadline+=(--prompts "$BENCH_PROMPTS")  # prompts a round, for longer rounds
+prompts=()  # BENCH_PROMPTS: prompts a round, for longer rounds
+[ -n "${BENCH_PROMPTS:-}" ] && prompts=(--prompts "$BENCH_PROMPTS")
 contenders=()  # BENCH_CONTENDERS: the prefill suite's --contenders regex
 [ -n "${BENCH_CONTENDERS:-}" ] && contenders=(--contenders "$BENCH_CONTENDERS")
 bench_dump() {  # bench_dump NAME SUITE_ARGS...: one bench_dump process, its results and log named NAME
     local name=$1
     shift
-    timeout "${BENCH_TIMEOUT_S:-0}" python3 -m scripts.bench.dump "$@" "${deadline[@]}" \
+    timeout "${BENCH_TIMEOUT_S:-0}" python3 -m scripts.bench.dump "$@" "${deadline[@]}" "${prompts[@]}" \
         --preset "${BENCH_PRESET:-gpu}" "${contenders[@]}" --work-dir "$WORK_ROOT/bench-$name" --out "$OUT/bench-$name.json" > "$OUT/bench-$name.log" 2>&1
     local code=$?
     tail -n 30 "$WORK_ROOT/bench-$name"/*.log > "$OUT/server-logs-tail-$name.txt" 2>/dev/null

@@ -93,8 +93,8 @@ def row_slices(pairs, slice_bytes: int) -> Iterator[Tuple[int, int]]:
 class RowsCopier:
     """One thread that copies each forward's device rows into their host rows (quantizing
     fp8 rows first), in the order submitted, and marks each forward's Landing. It holds the
-    device rows until they are copied. On a CUDA device the copies run on a stream of their own, after the event the
-    rows were gathered under; elsewhere they are plain copies."""
+    device rows until they are copied. On a CUDA device the copies run on a stream of their
+    own, after the event the rows were gathered under; elsewhere they are plain copies."""
 
     def __init__(self, device: torch.device, slice_bytes: Optional[int] = None):
         self.device = device
