@@ -51,6 +51,9 @@ def test_quantized_rows_round_trip_within_fp8_rounding():
     quantized, scale = quantize_rows(rows)
     assert quantized.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     assert scale.shape == (64, 3) and scale[5, 1] == 1
+    # Each scale is its row's largest magnitude, whichever its sign, over FP8_MAX.
+    largest = rows.float().abs().amax(-1)
+    assert torch.equal(scale[largest > 0], largest[largest > 0] / FP8_MAX)
     assert torch.equal(quantized.float().abs().amax(-1)[scale != 1], torch.full_like(scale[scale != 1], FP8_MAX))
     dequantized = dequantize_rows(quantized, scale, torch.bfloat16)
     assert dequantized.dtype == torch.bfloat16
