@@ -52,6 +52,7 @@ from typing import Dict, List, Optional, Tuple
 
 from scripts.bench.measure import (clear_files, dd_rate, filesystem, prompts_for, send_all, send_and_land,
                                    send_and_land_split, summary)
+from scripts.bench.copier_hooks import slices_hook
 from scripts.bench.dump_stages import forward_hooks_arg
 from scripts.bench.profile import read_stacks, summarize
 from scripts.bench.trace import summarize_trace
@@ -102,6 +103,8 @@ PRESETS = {
                      lengths=(512,), layer_counts=(1,), hidden_prompts=64, fidelity_prompts=16,
                      tmpfs_dir="/dev/shm", tmpfs_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"},
                                                            "1 writer thread": {"SGLANG_HS_DUMP_WRITER_THREADS": "1"}},
+                     # The copier's slice size (16 MiB by default) against the lock hand-overs.
+                     tmpfs_slices={"64 MiB slices": 64 << 20},
                      disk_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"}},
                      # Where the time of a dump to memory goes (pick them with --contenders: at
                      # this preset four servers fit the GPU, a fifth fails SGLang's memory check).
@@ -162,6 +165,11 @@ def prefill_contenders(run: BenchRun) -> Dict[str, Contender]:
         for index, (label, env) in enumerate(variants.items()):
             dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{index}-", dir=preset["tmpfs_dir"]))
             contenders[f"patched, dump on (tmpfs{label})"] = Contender(dump_dir, env)
+        # The same dump with the copier's rows crossing in slices of another size.
+        for label, slice_bytes in preset.get("tmpfs_slices", {}).items():
+            dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-slices-{slice_bytes}-", dir=preset["tmpfs_dir"]))
+            contenders[f"patched, dump on (tmpfs, {label})"] = Contender(
+                dump_dir, extra=("--forward-hooks", json.dumps([slices_hook(slice_bytes)])))
         # The same dump with its later stages left out (scripts/bench/dump_stages.py).
         for label, stage in preset.get("tmpfs_stages", {}).items():
             dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{stage}-", dir=preset["tmpfs_dir"]))

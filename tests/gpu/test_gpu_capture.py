@@ -18,7 +18,7 @@ import torch
 
 from scripts.dumps.server import Server, has_gpu, runtime_env, wait_for_manifest
 from scripts.dumps.tiny_model import ensure_model
-from tests.server.copier_hooks import small_slices_hook
+from scripts.bench.copier_hooks import slices_hook
 
 pytestmark = pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 
@@ -77,7 +77,7 @@ def test_dump_equals_transformers(model, reference, tmp_path, cuda_graphs, slice
     env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_HS_DUMP_LAYERS=",".join(map(str, layers)))
     extra = [] if cuda_graphs else ["--disable-cuda-graph"]
     if slice_bytes:
-        extra += ["--forward-hooks", json.dumps([small_slices_hook(slice_bytes)])]
+        extra += ["--forward-hooks", json.dumps([slices_hook(slice_bytes)])]
     log = tmp_path / "server.log"
     started = time.monotonic()
     with Server(model, log, env, extra) as server:

@@ -8,7 +8,7 @@ import time
 
 from scripts.dump_format import load_dump
 from tests.server import oracle_hooks
-from tests.server.copier_hooks import small_slices_hook
+from scripts.bench.copier_hooks import slices_hook
 from tests.server.dump_checks import (
     OUTPUT_TOKEN, assert_matches_oracle, generate_body, OracleServer, post_all, random_prompts)
 from scripts.dumps.server import wait_for_manifest
@@ -23,7 +23,7 @@ def test_concurrent_requests_each_equal_the_oracle(model_l3, tmp_path):
     prompts = random_prompts([rng.randint(1, 500) for _ in range(NUM_REQUESTS)], seed=1)
     bodies = [generate_body(p, f"batch-{i}", max_new_tokens=rng.randint(1, 16)) for i, p in enumerate(prompts)]
     server = OracleServer(model_l3, tmp_path, NUM_LAYERS, ["--enable-mixed-chunk"],
-                          extra_hooks=[small_slices_hook(SLICE_BYTES)])
+                          extra_hooks=[slices_hook(SLICE_BYTES)])
     dump_dir, oracle_dir = server.dump_dir, server.oracle_dir
     with server:
         server.wait_ready()

@@ -141,7 +141,7 @@ def test_directory_replaced_by_a_file(server):
     prompts = random_prompts([30, 40, 50, 60], seed=13)
     serve(server, [("unwritable-0", prompts[0]), ("unwritable-1", prompts[1])])
     wait_until(lambda: error_count(server) == errors + 2, 30, "both errors to be counted")
-    assert "hidden states dump: request 'unwritable-1' not written: FileExistsError(17, 'File exists')" \
+    assert "hidden states dump: request 'unwritable-1' not written: NotADirectoryError(20, 'Not a directory')" \
         in server.log()
     assert server.dump_dir.read_text() == "not a directory"
 

@@ -120,3 +120,30 @@ def test_fp8_rows_are_quantized_on_the_copiers_thread_into_the_layout_made_befor
     for name, target in targets.items():
         assert target.dtype == expected[name].dtype and target.shape == expected[name].shape
         assert torch.equal(bits(target), bits(expected[name]))
+
+
+def test_waiters_go_in_turn_as_their_rows_land_and_all_go_when_the_copy_fails():
+    landing = Landing()
+    done, failed = {}, {}
+
+    def waiter(rows):
+        try:
+            landing.wait(rows)
+            done[rows] = True
+        except RuntimeError as e:
+            failed[rows] = e
+
+    threads = {rows: threading.Thread(target=waiter, args=(rows,)) for rows in (2, 5, 9, None)}
+    for thread in threads.values():
+        thread.start()
+    landing.landed(5)
+    threads[2].join(5)
+    threads[5].join(5)
+    assert done == {2: True, 5: True}
+    assert threads[9].is_alive() and threads[None].is_alive()  # their rows have not landed
+    landing.failed(OSError("copy engine"))
+    for thread in threads.values():
+        thread.join(5)
+    assert set(failed) == {9, None} and "copy engine" in str(failed[9])
+    with pytest.raises(RuntimeError, match="copy to the host failed"):
+        landing.wait(1)  # a later wait on a failed landing fails at once

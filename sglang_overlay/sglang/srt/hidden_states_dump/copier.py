@@ -20,7 +20,7 @@ import queue
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -33,41 +33,63 @@ SLICE_BYTES = 16 << 20
 
 
 class Landing:
-    """How many of one forward's rows (from the first) have reached the host."""
+    """How many of one forward's rows (from the first) have reached the host.
+
+    Each waiter is woken once: when its rows have landed, or the copy failed. A slice wakes
+    no writer whose rows are still crossing, since every wake-up takes the interpreter lock
+    from the scheduler thread for a moment (BENCHMARKS.md, "The tail and the interpreter
+    lock")."""
 
     def __init__(self):
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
         self._rows = 0
         self._all = False
         self._error: Optional[BaseException] = None
+        # (the rows awaited, None: all; a lock held until then), one per waiting thread
+        self._waiters: List[Tuple[Optional[int], threading.Lock]] = []
 
     def landed(self, rows: Optional[int] = None) -> None:
         """The first `rows` rows have landed (None: all of them)."""
-        with self._changed:
+        with self._lock:
             if rows is None:
                 self._all = True
             else:
                 self._rows = rows
-            self._changed.notify_all()
+            due = [gate for awaited, gate in self._waiters if self._have(awaited)]
+            self._waiters = [(a, g) for a, g in self._waiters if not self._have(a)]
+        for gate in due:
+            gate.release()
 
     def failed(self, error: BaseException) -> None:
-        with self._changed:
+        with self._lock:
             self._error = error
-            self._changed.notify_all()
+            due, self._waiters = self._waiters, []
+        for _, gate in due:
+            gate.release()
 
     def wait(self, rows: Optional[int] = None) -> None:
         """Return once the first `rows` rows (None: all) are on the host; raise if their
         copy failed."""
-        with self._changed:
-            self._changed.wait_for(
-                lambda: self._error is not None
-                or self._all
-                or (rows is not None and self._rows >= rows)
-            )
-            if self._error is not None:
-                raise RuntimeError(
-                    f"the rows' copy to the host failed: {self._error!r}"
-                ) from self._error
+        with self._lock:
+            gate = None
+            if not self._have(rows):
+                gate = threading.Lock()
+                gate.acquire()
+                self._waiters.append((rows, gate))
+        if gate is not None:
+            gate.acquire()  # released by landed or failed
+        if self._error is not None:
+            raise RuntimeError(
+                f"the rows' copy to the host failed: {self._error!r}"
+            ) from self._error
+
+    def _have(self, rows: Optional[int]) -> bool:
+        """Whether a wait for `rows` is over (under the lock)."""
+        return (
+            self._error is not None
+            or self._all
+            or (rows is not None and self._rows >= rows)
+        )
 
 
 @dataclass

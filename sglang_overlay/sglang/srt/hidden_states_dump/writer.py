@@ -7,7 +7,6 @@ request ids.
 """
 
 import fcntl
-import io
 import json
 import logging
 import os
@@ -34,6 +33,9 @@ from sglang.srt.hidden_states_dump.stats import DumpStats
 
 logger = logging.getLogger(__name__)
 
+# The most buffers one writev takes.
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+
 
 @dataclass
 class WriteJob:
@@ -48,7 +50,8 @@ class WrittenFile:
 
     rid: str
     name: str
-    file: io.BufferedWriter  # open, holding its lock
+    temp_path: str
+    fd: int  # open, holding its lock
     line: str  # its manifest line
     num_tokens: int
     size: int
@@ -203,30 +206,26 @@ class DumpWriter:
 
         name = f"{self.run_id}-{job.sequence + 1:09d}.safetensors"
         temp_path = os.path.join(self.dump_dir, TEMP_PREFIX + name)
-        os.makedirs(self.dump_dir, exist_ok=True)
-        size = len(header)
-        f = open(temp_path, "xb")
+        fd = open_new_file(temp_path)
         try:
             # Held until the file is published: a writer starting on the same directory
             # removes only temporary files nobody holds.
-            fcntl.flock(f, fcntl.LOCK_EX)
-            f.write(header)
-            # The chunks go straight from the host rows to the file: no concatenated
-            # copy, no serialized copy.
-            for tensors in parts.values():
-                for part in tensors:
-                    size += f.write(tensor_bytes(part))
-            f.flush()
-            os.fsync(f.fileno())
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # The chunks go straight from the host rows to the file, in as few system calls
+            # as the kernel takes: no concatenated copy, no serialized copy.
+            size = write_all(
+                fd, [header, *(tensor_bytes(part) for tensors in parts.values() for part in tensors)]
+            )
+            os.fsync(fd)
         except BaseException:
-            f.close()
+            os.close(fd)
             remove_quietly(temp_path)
             raise
         entry = manifest_entry(
             job.request.rid, name, num_tokens, self.metadata, parts["hidden_states"][0]
         )
         seconds = dict(copy_wait_ms=copied - started, write_ms=time.perf_counter() - copied)
-        return WrittenFile(job.request.rid, name, f, json.dumps(entry), num_tokens, size, seconds)
+        return WrittenFile(job.request.rid, name, temp_path, fd, json.dumps(entry), num_tokens, size, seconds)
 
     def _publish(self, written: WrittenFile) -> None:
         """Rename a written file to its final name and append its manifest line; renamed
@@ -235,9 +234,9 @@ class DumpWriter:
         final_path = os.path.join(self.dump_dir, written.name)
         try:
             try:
-                os.replace(written.file.name, final_path)
+                os.replace(written.temp_path, final_path)
             except BaseException:
-                remove_quietly(written.file.name)
+                remove_quietly(written.temp_path)
                 raise
             try:
                 append_line(os.path.join(self.dump_dir, self.manifest_name), written.line)
@@ -250,8 +249,38 @@ class DumpWriter:
             seconds = dict(written.seconds, manifest_ms=time.perf_counter() - started)
             self.stats.add(seconds, files=1, tokens=written.num_tokens, bytes=written.size)
         finally:
-            written.file.close()
+            os.close(written.fd)
             self.queue.task_done()
+
+
+def open_new_file(path: str) -> int:
+    """Create `path` for writing (it must not exist), and its directory if that is gone (a
+    dump directory removed under a running server is made again)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, flags, 0o644)
+
+
+def write_all(fd: int, buffers: List[memoryview]) -> int:
+    """Write `buffers` back to back at the file's position with as few writev calls as the
+    kernel takes (each at most IOV_MAX buffers; a short write resumes where it stopped);
+    returns the bytes written."""
+    pending = [memoryview(buffer).cast("B") for buffer in buffers]
+    pending = [buffer for buffer in pending if len(buffer)]
+    total = 0
+    while pending:
+        written = os.writev(fd, pending[:IOV_MAX])
+        if written <= 0:
+            raise OSError(f"writev wrote {written} bytes")
+        total += written
+        while pending and written >= len(pending[0]):
+            written -= len(pending.pop(0))
+        if written:
+            pending[0] = pending[0][written:]
+    return total
 
 
 def append_line(path: str, line: str) -> None:
