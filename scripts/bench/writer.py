@@ -1,7 +1,7 @@
 """The dump writer alone: bytes/s it lands on a filesystem with 1, 2, 4, 8, 16 writer threads,
 against `dd conv=fsync` to the same directory, alternating the contenders each round.
 
-    python -m scripts.bench.writer --dir DIR [--hidden-size 7168] [--tokens 512] [--files 64] [--threads N] [--fp8] --out FILE.json
+    python -m scripts.bench.writer --dir DIR [--hidden-size 7168] [--tokens 512] [--files 64] [--threads N] [--fp8] [--busy-thread] --out FILE.json
 
 Each job is one request of `--tokens` prompt tokens with EAGLE-3's three layers and the
 final state in bf16 (hidden size 7168: 57 KB per token, 29 MB per 512-token file), handed
@@ -9,6 +9,11 @@ to the patched SGLang's writer exactly as the scheduler hands it: the clock runs
 first submit to the last manifest line, so it includes serialization, fsync and rename.
 No model and no server: this isolates the disk path from prefill. Needs a patched SGLang
 on PYTHONPATH.
+
+`--busy-thread` adds each writer contender again with one more thread beside it that runs
+Python without pause, as a scheduler thread launching forwards does: every system call of
+a writer gives up the interpreter lock, and taking it back from such a thread is what the
+writers pay inside a busy server.
 """
 
 import argparse
@@ -16,7 +21,9 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -62,9 +69,31 @@ def write_dump(directory: Path, threads: int, hidden_size: int, tokens: int, fil
     return seconds
 
 
-def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int, fp8: bool = False) -> float:
-    """Bytes/s landed by the dump's writer."""
-    seconds = write_dump(directory, threads, hidden_size, tokens, files, fp8=fp8)
+class BusyThread:
+    """While entered, a thread that runs Python code without pause: it holds the
+    interpreter lock but for the hand-overs the switch interval forces."""
+
+    def __enter__(self):
+        self._running = True
+        self._thread = threading.Thread(target=self._spin, name="busy", daemon=True)
+        self._thread.start()
+        return self
+
+    def _spin(self):
+        total = 0
+        while self._running:
+            total += sum(range(200))
+
+    def __exit__(self, *exc):
+        self._running = False
+        self._thread.join()
+
+
+def writer_rate(directory: Path, threads: int, hidden_size: int, tokens: int, files: int, fp8: bool = False,
+                busy_thread: bool = False) -> float:
+    """Bytes/s landed by the dump's writer (with a busy Python thread beside it when asked)."""
+    with BusyThread() if busy_thread else nullcontext():
+        seconds = write_dump(directory, threads, hidden_size, tokens, files, fp8=fp8)
     written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     shutil.rmtree(directory)
     return written / seconds
@@ -80,6 +109,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, action="append", default=None,
                         help=f"writer threads to measure (may repeat; default {', '.join(map(str, THREAD_COUNTS))})")
     parser.add_argument("--fp8", action="store_true", help="fp8 rows and scales (SGLANG_HS_DUMP_DTYPE=fp8)")
+    parser.add_argument("--busy-thread", action="store_true",
+                        help="each writer contender also with a busy Python thread beside it")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -87,7 +118,10 @@ def main(argv=None) -> int:
     file_bytes = args.tokens * (len(LAYER_IDS) + 1) * args.hidden_size * (1 if args.fp8 else 2)
     megabytes = max(1, file_bytes * args.files // 2**20)
     rates = {"dd conv=fsync": []}
-    rates.update({f"writer, {n} threads": [] for n in args.threads or THREAD_COUNTS})
+    for n in args.threads or THREAD_COUNTS:
+        rates[f"writer, {n} threads"] = []
+        if args.busy_thread:
+            rates[f"writer, {n} threads, a busy Python thread beside"] = []
     for round_index in range(args.repeats):
         names = list(rates)
         shift = round_index % len(names)
@@ -96,8 +130,10 @@ def main(argv=None) -> int:
                 rates[name].append(dd_rate(args.dir, megabytes))
             else:
                 threads = int(name.split()[1])
-                rates[name].append(writer_rate(args.dir / f"round{round_index}-{threads}", threads,
-                                               args.hidden_size, args.tokens, args.files, args.fp8))
+                busy = name.endswith("beside")
+                rates[name].append(writer_rate(args.dir / f"round{round_index}-{threads}{'-busy' if busy else ''}",
+                                               threads, args.hidden_size, args.tokens, args.files, args.fp8,
+                                               busy_thread=busy))
     results = {
         "bytes_per_s": {name: summary(values) for name, values in rates.items()},
         "ratio to dd": {name: summary([r / d for r, d in zip(values, rates["dd conv=fsync"])])

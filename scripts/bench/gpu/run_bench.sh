@@ -3,6 +3,7 @@
 # the benchmark suites named as arguments, upstream and patched trees side by side.
 # `writer` runs scripts/bench/writer.py (the dump writer alone, on the disk and on
 # /dev/shm), `writer-disk` the writer alone on the disk with 4 threads in bf16 and fp8,
+# `writer-busy` the writer alone on /dev/shm with 4 threads beside a busy Python thread and not,
 # `pinned` scripts/bench/pinned.py (pinned host allocations, cold and warm); any other name
 # is a scripts/bench/dump.py suite, run with the preset BENCH_PRESET (default gpu; gpu-rank:
 # a TP8 rank's compute) and, when set, --contenders "$BENCH_CONTENDERS". BENCH_DEADLINE_S, when set,
@@ -44,6 +45,14 @@ for suite in "$@"; do
             tail -n 3 "$OUT/bench-writer-disk-$encoding.txt"
             rm -rf /tmp/bench-writer
         done
+    elif [ "$suite" = writer-busy ]; then
+        # The writer alone on /dev/shm with the server's default threads, with and without a
+        # busy Python thread beside it: what sharing the interpreter lock with a scheduler
+        # thread costs the writers.
+        python3 -m scripts.bench.writer --dir /dev/shm/bench-writer --files 64 --repeats 3 --threads 4 --busy-thread \
+            --out "$OUT/bench-writer-busy.json" > "$OUT/bench-writer-busy.txt" 2>&1 || status=1
+        tail -n 3 "$OUT/bench-writer-busy.txt"
+        rm -rf /dev/shm/bench-writer
     elif [ "$suite" = pinned ]; then
         python3 -m scripts.bench.pinned --out "$OUT/bench-pinned.json" > "$OUT/bench-pinned.txt" 2>&1 || status=1
         tail -n 12 "$OUT/bench-pinned.txt"
