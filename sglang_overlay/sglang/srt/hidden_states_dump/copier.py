@@ -55,9 +55,11 @@ class Landing:
                 self._all = True
             else:
                 self._rows = rows
-            due = [gate for awaited, gate in self._waiters if self._have(awaited)]
-            self._waiters = [(a, g) for a, g in self._waiters if not self._have(a)]
-        for gate in due:
+            waiting, due = [], []
+            for awaited, gate in self._waiters:
+                (due if self._have(awaited) else waiting).append((awaited, gate))
+            self._waiters = waiting
+        for _, gate in due:
             gate.release()
 
     def failed(self, error: BaseException) -> None:
