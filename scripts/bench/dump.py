@@ -53,7 +53,7 @@ from typing import Dict, List, Optional, Tuple
 from scripts.bench.measure import (clear_files, dd_rate, filesystem, prompts_for, send_all, send_and_land,
                                    send_and_land_split, summary)
 from scripts.bench.copier_hooks import slices_hook
-from scripts.bench.dump_stages import forward_hooks_arg
+from scripts.bench.dump_stages import STAGE_ENV, forward_hooks_arg
 from scripts.bench.profile import read_stacks, summarize
 from scripts.bench.trace import summarize_trace
 from scripts.bench.run import BenchRun, rss_parts_kib, total_rss_kib
@@ -89,7 +89,8 @@ PRESETS = {
                 tmpfs_dir="/dev/shm",
                 tmpfs_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"},
                                 "1 layer": {"SGLANG_HS_DUMP_LAYERS": "3"},
-                                "16 writer threads": {"SGLANG_HS_DUMP_WRITER_THREADS": "16"}}),
+                                "16 writer threads": {"SGLANG_HS_DUMP_WRITER_THREADS": "16"},
+                                "writer threads": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0"}}),
     # A TP8 rank's compute per token: one rank of DeepSeek-V3 / Kimi-K2.5 (61 layers, 58 of
     # them MoE with 8 of 256 experts active, TP8) does about 9 GFLOP per token; 16 layers at
     # DeepSeek width with this model's experts do about 6, so a prefill runs at the rate a
@@ -102,7 +103,10 @@ PRESETS = {
                                                 "--disable-cuda-graph"),
                      lengths=(512,), layer_counts=(1,), hidden_prompts=64, fidelity_prompts=16,
                      tmpfs_dir="/dev/shm", tmpfs_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"},
-                                                           "1 writer thread": {"SGLANG_HS_DUMP_WRITER_THREADS": "1"}},
+                                                           "1 writer thread": {"SGLANG_HS_DUMP_WRITER_THREADS": "1"},
+                                                           # The files written by threads of the
+                                                           # scheduler's process, not a writer process.
+                                                           "writer threads": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0"}},
                      # The copier's slice size (16 MiB by default) against the lock hand-overs.
                      tmpfs_slices={"64 MiB slices": 64 << 20},
                      disk_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"}},
@@ -174,7 +178,7 @@ def prefill_contenders(run: BenchRun) -> Dict[str, Contender]:
         for label, stage in preset.get("tmpfs_stages", {}).items():
             dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{stage}-", dir=preset["tmpfs_dir"]))
             contenders[f"patched, dump on (tmpfs, {label})"] = Contender(
-                dump_dir, extra=("--forward-hooks", forward_hooks_arg(stage)), lands=False)
+                dump_dir, STAGE_ENV.get(stage, {}), extra=("--forward-hooks", forward_hooks_arg(stage)), lands=False)
     if run.contenders:
         contenders = {name: contender for name, contender in contenders.items()
                       if name == "patched, dump off" or re.search(run.contenders, name)}

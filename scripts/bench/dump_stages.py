@@ -10,7 +10,8 @@ tests/server/fault_hooks.py does) and replaces one stage of the dump in that pro
   asked) on the gather stream as the dump does, then dropped: the device-side work, without
   the copies to the host (and without fp8's quantization, which the copier does).
 - `copied_not_written`: everything up to the writer threads, which wait for each copy and
-  write nothing: the copies, without the files.
+  write nothing: the copies, without the files. It replaces the writer threads' stages, so
+  its server runs them (SGLANG_HS_DUMP_WRITER_PROCESS=0, STAGE_ENV), not a writer process.
 
 The hooks themselves do nothing. A server with any of them lands no files; its round ends at
 its last response.
@@ -19,6 +20,8 @@ its last response.
 import json
 
 STAGES = ("capture_skipped", "rows_not_copied", "copied_not_written")
+# What a server with a stage left out needs in its environment.
+STAGE_ENV = {"copied_not_written": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0"}}
 
 
 def capture_skipped(config):

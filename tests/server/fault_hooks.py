@@ -1,13 +1,14 @@
 """Faults injected inside the server process, attached with --forward-hooks like the oracle.
 
 `stall_writer`: a disk that stalls. While the gate file exists, the dump's writer thread
-waits before writing the job it has taken from its queue (all but the first `after` jobs) (it first creates
+(with a writer process: the thread that sends it jobs) waits before writing the job it has
+taken from its queue (all but the first `after` jobs) (it first creates
 `<gate>.holding`, so a test knows the writer holds a job), and a submit that finds the
 queue full first writes the request's id to `<gate>.full`, so a test knows the scheduler is
 about to wait for room (under `block`) or drop it (under `drop`).
 
 `report_pid`: writes the scheduler's process id to a file, so a test can set that process's
-limits from outside it (`resource.prlimit`), while it serves.
+limits, and its writer process's, from outside them (`resource.prlimit`), while it serves.
 
 The hooks themselves do nothing; the factories are the way into the scheduler process.
 """
@@ -20,25 +21,25 @@ def stall_writer(config):
     from sglang.srt.hidden_states_dump.writer import DumpWriter
 
     gate = Path(config["gate"])
-    write_file = DumpWriter.write_file
+    file_contents = DumpWriter.file_contents
     let_through = iter(range(config.get("after", 0)))
 
-    def stalled_write_file(self, job):
+    def stalled_file_contents(self, job):
         if next(let_through, None) is not None:
-            return write_file(self, job)
+            return file_contents(self, job)
         gate.with_name(gate.name + ".holding").touch()
         while gate.exists():
             time.sleep(0.01)
-        return write_file(self, job)
+        return file_contents(self, job)
 
     submit = DumpWriter.submit
 
     def submit_noting_a_full_queue(self, request, chunks):
-        if self.queue.full():
+        if self.full():
             gate.with_name(gate.name + ".full").write_text(request.rid)
         return submit(self, request, chunks)
 
-    DumpWriter.write_file = stalled_write_file
+    DumpWriter.file_contents = stalled_file_contents
     DumpWriter.submit = submit_noting_a_full_queue
     return lambda module, inputs, output: None
 

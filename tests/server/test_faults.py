@@ -18,7 +18,7 @@ from scripts.dump_format import MANIFEST_NAME, TEMP_PREFIX, read_manifest
 from tests.server.dump_checks import RELEASE, dump_stats, generate_body, random_prompts, wait_until
 from tests.server.fault_hooks import report_pid_spec
 from scripts.dumps.inspect_dump import summarise
-from scripts.dumps.server import Server, runtime_env, wait_for_manifest
+from scripts.dumps.server import Server, child_pids, runtime_env, wait_for_manifest
 
 
 def assert_consistent(dump_dir: Path):
@@ -53,8 +53,8 @@ FILE_SIZE_LIMIT = 1 << 20
 
 
 def test_full_disk(model_l3, tmp_path):
-    """A disk that refuses to grow a file: RLIMIT_FSIZE on the scheduler process, which
-    holds the dump's writer threads, set and lifted from the test with `resource.prlimit`
+    """A disk that refuses to grow a file: RLIMIT_FSIZE on the scheduler process and its
+    children (the dump's writer process), set and lifted from the test with `resource.prlimit`
     while the server serves. The kernel then fails the dump's own write() (EFBIG, errno 27)
     as a full disk fails it (ENOSPC, errno 28), through the same error path. A size-limited
     tmpfs or a loop-mounted filesystem would give a real ENOSPC, but mounting needs
@@ -69,9 +69,11 @@ def test_full_disk(model_l3, tmp_path):
                 ["--forward-hooks", report_pid_spec(pid_file)]) as server:
         server.wait_ready()
         scheduler = int(pid_file.read_text())
+        limited = [scheduler, *child_pids(scheduler)]
         assert len(server.log().encode()) < FILE_SIZE_LIMIT // 4, "the log would run into the limit"
         no_limit = resource.prlimit(scheduler, resource.RLIMIT_FSIZE)
-        resource.prlimit(scheduler, resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, no_limit[1]))
+        for pid in limited:
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, no_limit[1]))
         # 60 tokens (124 kB) fit; 600 (1.24 MB) do not: the file's own write fails.
         serve(server, [("fits-0", next(prompts)), ("too-big", next(prompts)), ("fits-1", next(prompts))])
         wait_for_manifest(dump_dir, 2)
@@ -92,7 +94,8 @@ def test_full_disk(model_l3, tmp_path):
             in server.log()
         assert manifest.stat().st_size == FILE_SIZE_LIMIT and manifest.read_bytes().endswith(b"\n")
 
-        resource.prlimit(scheduler, resource.RLIMIT_FSIZE, no_limit)  # space freed
+        for pid in limited:
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, no_limit)  # space freed
         serve(server, [("after-full", next(prompts))])
         wait_for_manifest(dump_dir, 3)
         assert rids(dump_dir) == ["fits-0", "fits-1", "after-full"]

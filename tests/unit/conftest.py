@@ -1,5 +1,6 @@
 import os
 import sys
+from unittest import mock
 
 import pytest
 
@@ -34,3 +35,22 @@ def dumping_on(dump_dir, monkeypatch):
     dump_enabled.cache_clear()
     yield dump_dir
     dump_enabled.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def writer_processes_end():
+    """Each writer process a test starts ends with the test (a server's ends with its
+    scheduler process)."""
+    from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
+
+    started = []
+    init = ProcessDumpWriter.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        started.append(self)
+
+    with mock.patch.object(ProcessDumpWriter, "__init__", recording_init):
+        yield
+    for writer in started:
+        writer.stop(timeout=10)

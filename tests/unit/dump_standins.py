@@ -39,10 +39,12 @@ def final_rows(token_ids: Sequence[int]) -> torch.Tensor:
     return -layer_rows(token_ids, 0)
 
 
-def dump_config(dump_dir, dtype=None) -> DumpConfig:
+def dump_config(dump_dir, dtype=None, writer_process: bool = True) -> DumpConfig:
     """The settings as the server reads them from its environment (the test's), dumping
-    into `dump_dir` with SGLANG_HS_DUMP_DTYPE=`dtype`."""
-    with mock.patch.dict(os.environ, {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_DTYPE": dtype or ""}):
+    into `dump_dir` with SGLANG_HS_DUMP_DTYPE=`dtype`; `writer_process` False: the files
+    are written by threads of the test's own process (where a test injects faults)."""
+    with mock.patch.dict(os.environ, {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_DTYPE": dtype or "",
+                                      "SGLANG_HS_DUMP_WRITER_PROCESS": str(int(writer_process))}):
         return DumpConfig.from_env()
 
 
@@ -55,8 +57,8 @@ RESERVE_BYTES = 1 << 20  # host memory the stand-in dumper reserves for rows
 
 
 def start_dumper(dump_dir, layer_ids: List[int], dp_rank: int = 0, dtype=None,
-                 reserve_bytes: int = RESERVE_BYTES) -> HiddenStatesDumper:
-    return HiddenStatesDumper(dump_config(dump_dir, dtype), stand_in_metadata(layer_ids, dtype),
+                 reserve_bytes: int = RESERVE_BYTES, writer_process: bool = True) -> HiddenStatesDumper:
+    return HiddenStatesDumper(dump_config(dump_dir, dtype, writer_process), stand_in_metadata(layer_ids, dtype),
                               is_writer=True, dp_rank=dp_rank, reserve_bytes=reserve_bytes)
 
 

@@ -76,34 +76,39 @@ def test_a_torn_manifest_line_is_cut_when_the_dumper_starts(dump_dir):
 FULL_DISK_BYTES = 4096
 
 
-def dump_onto_a_full_disk(dump_dir: str) -> None:
+def dump_onto_a_full_disk(dump_dir: str, writer_process: bool) -> None:
     """Run in a child process, as the limit is per process: RLIMIT_FSIZE caps every file
     at FULL_DISK_BYTES, a full disk that the small data files stay under and the growing
-    manifest runs into, cut short in the middle of a line. Dumps until a write fails,
-    then lifts the limit (space freed) and dumps one more request, "after"."""
+    manifest runs into, cut short in the middle of a line (in the writer process, when
+    there is one). Dumps until a write fails, then lifts the limit (space freed) and
+    dumps one more request, "after"."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    dumper = start_dumper(dump_dir, [1])
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FULL_DISK_BYTES, hard))
+    dumper = start_dumper(dump_dir, [1], writer_process=writer_process)
+    writer = dumper.writer.process.pid if writer_process else os.getpid()
+    soft, hard = resource.prlimit(writer, resource.RLIMIT_FSIZE)
+    resource.prlimit(writer, resource.RLIMIT_FSIZE, (FULL_DISK_BYTES, hard))
     for i in range(FULL_DISK_BYTES):
         run_forward(dumper, [(DumpRequest(f"r{i}", 2), prompt(100 + 10 * i, 2), 0)])
         counters = wait_for_stats(dumper, lambda c: c["files"] + c["errors"] == i + 1)
         if counters["errors"]:
             break
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert counters["errors"], "the full disk never failed a write"
+    resource.prlimit(writer, resource.RLIMIT_FSIZE, (soft, hard))
     run_forward(dumper, [(DumpRequest("after", 2), prompt(90_000, 2), 0)])
     wait_for_manifest(dump_dir, ["after"])
 
 
-def test_a_manifest_line_cut_by_a_full_disk_does_not_spoil_the_next(dump_dir):
+@pytest.mark.parametrize("writer_process", [True, False], ids=["writer process", "writer threads"])
+def test_a_manifest_line_cut_by_a_full_disk_does_not_spoil_the_next(dump_dir, writer_process):
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     child = subprocess.run(
         [
             sys.executable,
             "-c",
             "import sys; from tests.unit.test_dump_manifest import "
-            "dump_onto_a_full_disk; dump_onto_a_full_disk(sys.argv[1])",
+            "dump_onto_a_full_disk; dump_onto_a_full_disk(sys.argv[1], sys.argv[2] == 'True')",
             str(dump_dir),
+            str(writer_process),
         ],
         cwd=repo_root,
         env=dict(os.environ, PYTHONPATH=os.environ["SGLANG_CHECKOUT"]),

@@ -135,7 +135,7 @@ def test_timings_say_whether_the_scheduler_waited_for_the_disk(dump_dir, monkeyp
         fsync(fd)
 
     monkeypatch.setattr(os, "fsync", slow_fsync)
-    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4], writer_process=False)
     rids = submit_many(dumper, 8)
     wait_for_manifest(dump_dir, rids)
     wait_for_stats(dumper, lambda counters: counters["files"] == 8)
@@ -184,7 +184,7 @@ def test_writer_threads_write_side_by_side_and_never_wait_for_an_earlier_files_t
     # least three files). None is renamed or listed before the first.
     monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "4")
     seen = hold_first_file_until(monkeypatch, dump_dir, lambda: len(temp_files(dump_dir)) >= 8)
-    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4])
+    dumper = start_dumper(dump_dir, [0, 1, 2, 3, 4], writer_process=False)
 
     rids = submit_many(dumper, 12)
     lines = wait_for_manifest(dump_dir, rids)
@@ -205,14 +205,14 @@ def test_a_written_file_waiting_for_its_turn_survives_another_writer_starting(du
     monkeypatch.setenv("SGLANG_HS_DUMP_WRITER_THREADS", "2")
     second_started = []
     hold_first_file_until(monkeypatch, dump_dir, lambda: bool(second_started))
-    dumper = start_dumper(dump_dir, [1])
+    dumper = start_dumper(dump_dir, [1], writer_process=False)
 
     rids = submit_many(dumper, 3)
     deadline = time.monotonic() + WAIT_TIMEOUT_S
     while len(temp_files(dump_dir)) < 3:
         assert time.monotonic() < deadline, f"files 2 and 3 not written: {os.listdir(dump_dir)}"
         time.sleep(0.01)
-    start_dumper(dump_dir, [1], dp_rank=1)
+    start_dumper(dump_dir, [1], dp_rank=1, writer_process=False)
     assert len(temp_files(dump_dir)) == 3
     second_started.append(True)
     lines = wait_for_manifest(dump_dir, rids)

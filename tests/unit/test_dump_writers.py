@@ -50,7 +50,7 @@ def write_as_rank(dump_dir: str, rank: str, run: str, count: str, control_dir: s
         fsync(fd)
 
     os.fsync = fsync_or_hold
-    dumper = start_dumper(dump_dir, LAYER_IDS, dp_rank=int(rank))
+    dumper = start_dumper(dump_dir, LAYER_IDS, dp_rank=int(rank), writer_process=False)
     rids = [f"dp{rank}-{run}-{i}" for i in range(int(count))]
     for rid in rids:
         run_forward(dumper, [(DumpRequest(rid, 40), tokens_of(rid), 0)])

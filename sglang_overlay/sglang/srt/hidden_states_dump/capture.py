@@ -32,6 +32,7 @@ from sglang.srt.hidden_states_dump.format import (
 )
 from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostBuffers
 from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
 from sglang.srt.hidden_states_dump.startup_checks import (
     check_patches,
     check_server_args,
@@ -116,8 +117,9 @@ class HiddenStatesDumper:
     ):
         self.config = config
         self.layer_ids: List[int] = json.loads(metadata["layer_ids"])
+        shared = is_writer and config.writer_process
         self.host_buffers = HostBuffers(
-            reserve_bytes if is_writer else 0, pin_memory=torch.cuda.is_available()
+            reserve_bytes if is_writer else 0, pin_memory=torch.cuda.is_available(), shared=shared
         )
         self._gather_stream = None  # the rows are gathered off the forward's stream
         self._copier: Optional[RowsCopier] = None  # and copied to the host in slices
@@ -131,14 +133,18 @@ class HiddenStatesDumper:
         manifest = manifest_name(dp_rank, config.writer_id)
         remove_stale_temp_files(config.dump_dir)
         repair_torn_manifest(os.path.join(config.dump_dir, manifest))
-        self.writer = DumpWriter(
-            config.dump_dir,
-            metadata,
+        writer_options = dict(
             queue_size=config.queue_size,
             on_full_queue=config.on_full_queue,
             threads=config.writer_threads,
             manifest_name=manifest,
         )
+        if shared:
+            self.writer = ProcessDumpWriter(
+                config.dump_dir, metadata, host_buffers=self.host_buffers, **writer_options
+            )
+        else:
+            self.writer = DumpWriter(config.dump_dir, metadata, **writer_options)
         lifecycle.register_writer(self.writer, config.drain_timeout_s)
         eager = (
             "; prefills with dumped requests run without prefill CUDA graphs"
@@ -149,6 +155,7 @@ class HiddenStatesDumper:
             f"hidden states dump on: dir={config.dump_dir} manifest={manifest} "
             f"layers={self.layer_ids} (of L={metadata['num_layers']}) "
             f"encoding={metadata['encoding']} writer_threads={config.writer_threads} "
+            f"writer_process={'on' if shared else 'off'} "
             f"host_memory_mb={self.host_buffers.reserve.numel() >> 20} "
             f"eagle3_draft_layer_ids={metadata['eagle3_draft_layer_ids']}{eager}"
         )

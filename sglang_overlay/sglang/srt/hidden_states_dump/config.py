@@ -53,6 +53,7 @@ class DumpConfig:
     dtype: Optional[str]  # None (the model's dtype), "bf16" or "fp8"
     writer_id: Optional[str] = None  # names this server's manifest in a shared directory
     host_memory_mb: int = 0  # host memory reserved for rows at startup; 0: sized from the server
+    writer_process: bool = True  # files written by a process of their own (process_writer)
 
     @classmethod
     def from_env(cls) -> Optional["DumpConfig"]:
@@ -92,6 +93,7 @@ class DumpConfig:
             dtype=parse_dtype(envs.SGLANG_HS_DUMP_DTYPE.get()),
             writer_id=parse_writer_id(envs.SGLANG_HS_DUMP_WRITER_ID.get()),
             host_memory_mb=host_memory_mb,
+            writer_process=envs.SGLANG_HS_DUMP_WRITER_PROCESS.get(),
         )
 
     def layer_ids(self, num_layers: int) -> List[int]:

@@ -2,11 +2,13 @@
 forwards and taken back as their files are written."""
 
 import logging
+import mmap
+import os
 import threading
 import weakref
 from bisect import insort
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -69,20 +71,31 @@ class HostBuffers:
     ALIGNMENT = 64  # bytes, of each tensor inside a region
     REGION_ALIGNMENT = 4096  # bytes, of each region inside the reserve
 
-    def __init__(self, reserve_bytes: int, pin_memory: bool):
+    def __init__(self, reserve_bytes: int, pin_memory: bool, shared: bool = False):
         self.pin_memory = pin_memory
+        # Memory a writer process maps too (SharedSegment), pinned by registering it.
+        self.shared = shared
         size = aligned(reserve_bytes, self.REGION_ALIGNMENT)
-        if pin_memory and size:
+        if pin_memory and size and not shared:
             # PyTorch's pinned allocator rounds every block up to a power of two (a 5.25 GiB
             # reserve held 8 GiB): use all of it.
             size = 1 << (size - 1).bit_length()
-        # On the host whatever the default device (the model is being built under the GPU's).
-        self.reserve = torch.empty(
-            size,
-            dtype=torch.uint8,
-            device="cpu",
-            pin_memory=pin_memory,
-        )
+        self.segments: Dict[int, SharedSegment] = {}  # by id; the reserve is 0
+        # Called with each new segment, on the thread that makes it (the writer process
+        # maps it before a job reads it), and with the id of each segment no rows use any more.
+        self.on_segment: Optional[Callable[["SharedSegment"], None]] = None
+        self.on_forget: Optional[Callable[[int], None]] = None
+        self._next_segment = 0
+        if shared and size:
+            self.reserve = self._new_segment(size).tensor
+        else:
+            # On the host whatever the default device (the model is being built under the GPU's).
+            self.reserve = torch.empty(
+                size,
+                dtype=torch.uint8,
+                device="cpu",
+                pin_memory=pin_memory,
+            )
         self.overflows = 0
         self._lock = threading.Lock()
         # Free regions as (offset, size), by offset.
@@ -94,8 +107,9 @@ class HostBuffers:
         sizes = [tensor.numel() * tensor.element_size() for tensor in tensors.values()]
         nbytes = sum(aligned(size, self.ALIGNMENT) for size in sizes)
         offset = self._take(nbytes)
+        overflow = None
         if offset is None:
-            buffer = self._overflow(nbytes)
+            buffer, overflow = self._overflow(nbytes)
         else:
             buffer = self.reserve[offset : offset + nbytes]
         views, start = {}, 0
@@ -105,7 +119,17 @@ class HostBuffers:
         rows = HostRows(**views, **fields_)
         if offset is not None:
             weakref.finalize(rows, self._give_back, offset, nbytes).atexit = False
+        elif overflow is not None:
+            weakref.finalize(rows, self._forget, overflow.id).atexit = False
         return rows
+
+    def segment_of(self, tensor: torch.Tensor) -> Tuple[int, int]:
+        """(segment id, byte offset) of where `tensor`'s data starts, in shared memory."""
+        address = tensor.data_ptr()
+        for segment in list(self.segments.values()):
+            if segment.address <= address < segment.address + segment.size:
+                return segment.id, address - segment.address
+        raise ValueError("the rows are not in the dump's shared host memory")
 
     def free_regions(self) -> List[Tuple[int, int]]:
         """The free regions of the reserve, (offset, size) by offset."""
@@ -138,7 +162,21 @@ class HostBuffers:
                     merged.append((start, size))
             self._free = merged
 
-    def _overflow(self, nbytes: int) -> torch.Tensor:
+    def _new_segment(self, size: int) -> "SharedSegment":
+        segment = SharedSegment(self._next_segment, size, self.pin_memory)
+        self._next_segment += 1
+        self.segments[segment.id] = segment
+        if self.on_segment is not None:
+            self.on_segment(segment)
+        return segment
+
+    def _forget(self, segment_id: int) -> None:
+        segment = self.segments.pop(segment_id)
+        if self.on_forget is not None:
+            self.on_forget(segment_id)
+        segment.release()
+
+    def _overflow(self, nbytes: int) -> Tuple[torch.Tensor, Optional["SharedSegment"]]:
         self.overflows += 1
         if self.overflows == 1:
             logger.warning(
@@ -148,7 +186,46 @@ class HostBuffers:
                 f"SGLANG_HS_DUMP_HOST_MEMORY_MB if this happens often (the dump's log line "
                 f"counts host_overflows)."
             )
-        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory)
+        if self.shared:
+            segment = self._new_segment(aligned(nbytes, mmap.PAGESIZE))
+            return segment.tensor, segment
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin_memory), None
+
+
+class SharedSegment:
+    """Host memory in a memory file (memfd), which the writer process maps from its
+    descriptor and the copier fills, pinned for the GPU's copies by registering it with
+    CUDA (as SGLang's own host tables are)."""
+
+    def __init__(self, segment_id: int, size: int, pin_memory: bool):
+        self.id = segment_id
+        self.size = size
+        self.fd = os.memfd_create(f"hidden-states-dump-{segment_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.address = self.tensor.data_ptr()
+        self.pinned = False
+        if pin_memory:
+            error = int(torch.cuda.cudart().cudaHostRegister(self.address, size, 0))
+            if error:
+                logger.warning(
+                    f"hidden states dump: cudaHostRegister of {size} bytes of shared host "
+                    f"memory failed (cudaError {error}); the rows are copied to it unpinned"
+                )
+            self.pinned = not error
+
+    def release(self) -> None:
+        """Unpin and close; the mapping goes with the last tensor viewing it."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.pinned = False
+        os.close(self.fd)
+        self.tensor = None
 
 
 def aligned(nbytes: int, alignment: int) -> int:

@@ -16,8 +16,20 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Dict, List
+from typing import Dict, List
 
+import torch
+
+from sglang.srt.hidden_states_dump.files import (  # noqa: F401 (the file protocol's names)
+    IOV_MAX,
+    InOrder,
+    append_line,
+    open_new_file,
+    publish_file,
+    remove_quietly,
+    write_all,
+    write_temp_file,
+)
 from sglang.srt.hidden_states_dump.format import (
     TEMP_PREFIX,
     DumpCounters,
@@ -33,15 +45,24 @@ from sglang.srt.hidden_states_dump.stats import DumpStats
 
 logger = logging.getLogger(__name__)
 
-# The most buffers one writev takes.
-IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
-
 
 @dataclass
 class WriteJob:
     request: DumpRequest
     chunks: List[Chunk]  # the request's whole prompt, in prompt order
     sequence: int  # submission order, which the manifest keeps
+
+
+@dataclass
+class FileContents:
+    """One job's file: its header, then its tensors' bytes, once its rows have landed."""
+
+    name: str
+    header: bytes
+    tensors: List[torch.Tensor]  # views of the host rows, in file order
+    line: str  # its manifest line
+    num_tokens: int
+    copy_wait: float  # seconds the rows took to land
 
 
 @dataclass
@@ -56,37 +77,6 @@ class WrittenFile:
     num_tokens: int
     size: int
     seconds: Dict[str, float]
-
-
-class InOrder:
-    """Publishes the jobs that several threads take from one FIFO queue in the order they
-    were submitted, without a thread waiting for the jobs before its own: each thread
-    hands its finished job over and goes on, and the thread that hands over the job that
-    is due publishes it and every handed-over job due after it."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._next = 0  # the sequence due
-        self._finished: Dict[int, Callable[[], None]] = {}
-        self._publishing = False
-
-    def finish(self, sequence: int, publish: Callable[[], None]) -> None:
-        """Hand over job `sequence`: `publish` runs once every earlier job's has, on
-        whichever thread gets there (this one, or one publishing already). It must not
-        raise."""
-        with self._lock:
-            self._finished[sequence] = publish
-            if self._publishing:
-                return  # the publishing thread will reach it
-            self._publishing = True
-        while True:
-            with self._lock:
-                publish = self._finished.pop(self._next, None)
-                if publish is None:
-                    self._publishing = False
-                    return
-                self._next += 1
-            publish()
 
 
 class DumpWriter:
@@ -169,6 +159,10 @@ class DumpWriter:
                 self.queue.all_tasks_done.wait(left)
             return self.queue.unfinished_tasks
 
+    def full(self) -> bool:
+        """Whether a submit now would wait for room (or drop, under `drop`)."""
+        return self.queue.full()
+
     def queued(self) -> int:
         """Requests submitted and not yet written or failed."""
         return self.queue.unfinished_tasks
@@ -187,12 +181,14 @@ class DumpWriter:
             self.in_order.finish(sequence, publish)
 
     def _failed(self, rid: str, error: BaseException) -> None:
-        logger.error(f"hidden states dump: request {rid!r} not written: {error!r}")
+        self._failed_as(rid, repr(error))
+
+    def _failed_as(self, rid: str, error: str) -> None:
+        logger.error(f"hidden states dump: request {rid!r} not written: {error}")
         self.stats.add(errors=1)
 
-    def write_file(self, job: WriteJob) -> WrittenFile:
-        """Write one job's file under its temporary name (on a writer thread); `_publish`
-        renames and lists it in its turn."""
+    def file_contents(self, job: WriteJob) -> "FileContents":
+        """What one job's file holds, once its rows have landed (on a writer thread)."""
         started = time.perf_counter()
         for chunk in job.chunks:
             chunk.wait()
@@ -203,46 +199,36 @@ class DumpWriter:
         }
         num_tokens = sum(part.shape[0] for part in parts["token_ids"])
         header = safetensors_header(parts, num_tokens, dict(self.metadata, rid=job.request.rid))
-
-        name = f"{self.run_id}-{job.sequence + 1:09d}.safetensors"
-        temp_path = os.path.join(self.dump_dir, TEMP_PREFIX + name)
-        fd = open_new_file(temp_path)
-        try:
-            # Held until the file is published: a writer starting on the same directory
-            # removes only temporary files nobody holds.
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            # The chunks go straight from the host rows to the file, in as few system calls
-            # as the kernel takes: no concatenated copy, no serialized copy.
-            size = write_all(
-                fd, [header, *(tensor_bytes(part) for tensors in parts.values() for part in tensors)]
-            )
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            remove_quietly(temp_path)
-            raise
+        name = file_name(self.run_id, job.sequence)
         entry = manifest_entry(
             job.request.rid, name, num_tokens, self.metadata, parts["hidden_states"][0]
         )
-        seconds = dict(copy_wait_ms=copied - started, write_ms=time.perf_counter() - copied)
-        return WrittenFile(job.request.rid, name, temp_path, fd, json.dumps(entry), num_tokens, size, seconds)
+        tensors = [part for tensors in parts.values() for part in tensors]
+        return FileContents(name, header, tensors, json.dumps(entry), num_tokens, copied - started)
+
+    def write_file(self, job: WriteJob) -> WrittenFile:
+        """Write one job's file under its temporary name (on a writer thread); `_publish`
+        renames and lists it in its turn."""
+        contents = self.file_contents(job)
+        started = time.perf_counter()
+        # The chunks go straight from the host rows to the file, in as few system calls as
+        # the kernel takes: no concatenated copy, no serialized copy.
+        temp_path, fd, size = write_temp_file(
+            self.dump_dir, contents.name, [contents.header, *map(tensor_bytes, contents.tensors)]
+        )
+        seconds = dict(copy_wait_ms=contents.copy_wait, write_ms=time.perf_counter() - started)
+        return WrittenFile(
+            job.request.rid, contents.name, temp_path, fd, contents.line, contents.num_tokens, size, seconds
+        )
 
     def _publish(self, written: WrittenFile) -> None:
         """Rename a written file to its final name and append its manifest line; renamed
         in turn, so a killed server leaves at most one file not in the manifest."""
         started = time.perf_counter()
-        final_path = os.path.join(self.dump_dir, written.name)
         try:
-            try:
-                os.replace(written.temp_path, final_path)
-            except BaseException:
-                remove_quietly(written.temp_path)
-                raise
-            try:
-                append_line(os.path.join(self.dump_dir, self.manifest_name), written.line)
-            except BaseException:
-                remove_quietly(final_path)
-                raise
+            publish_file(
+                self.dump_dir, self.manifest_name, written.name, written.temp_path, written.line
+            )
         except Exception as e:
             self._failed(written.rid, e)
         else:
@@ -253,55 +239,9 @@ class DumpWriter:
             self.queue.task_done()
 
 
-def open_new_file(path: str) -> int:
-    """Create `path` for writing (it must not exist), and its directory if that is gone (a
-    dump directory removed under a running server is made again)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-    try:
-        return os.open(path, flags, 0o644)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return os.open(path, flags, 0o644)
-
-
-def write_all(fd: int, buffers: List[memoryview]) -> int:
-    """Write `buffers` back to back at the file's position with as few writev calls as the
-    kernel takes (each at most IOV_MAX buffers; a short write resumes where it stopped);
-    returns the bytes written."""
-    pending = [memoryview(buffer).cast("B") for buffer in buffers]
-    pending = [buffer for buffer in pending if len(buffer)]
-    total = 0
-    while pending:
-        written = os.writev(fd, pending[:IOV_MAX])
-        if written <= 0:
-            raise OSError(f"writev wrote {written} bytes")
-        total += written
-        while pending and written >= len(pending[0]):
-            written -= len(pending.pop(0))
-        if written:
-            pending[0] = pending[0][written:]
-    return total
-
-
-def append_line(path: str, line: str) -> None:
-    """Append one line. The manifest is locked while the line is written: writers sharing
-    it (servers given one writer id) append whole lines, and a writer starting on it repairs
-    only a line no live writer is still appending (repair_torn_manifest)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        size = os.fstat(fd).st_size
-        data = (line + "\n").encode("utf-8")
-        try:
-            if os.write(fd, data) != len(data):
-                raise OSError(f"short write to {path}")
-            os.fsync(fd)
-        except BaseException:
-            # A part of a line (a full disk) would join the next line appended.
-            os.ftruncate(fd, size)
-            raise
-    finally:
-        os.close(fd)
+def file_name(run_id: str, sequence: int) -> str:
+    """The file of a writer's job `sequence` (from 0): never derived from a request id."""
+    return f"{run_id}-{sequence + 1:09d}.safetensors"
 
 
 def repair_torn_manifest(path: str) -> None:

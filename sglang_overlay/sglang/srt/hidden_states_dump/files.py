@@ -1,0 +1,277 @@
+"""Dump files on disk: each written and fsynced under a temporary name, renamed once
+complete, then listed with one manifest line, in submission order. So every manifest line
+names a complete file, and a killed writer leaves at most one renamed file that no line
+names.
+
+The standard library only: run as a script, this module is the writer process
+(`WriterProcess`), which writes the files of a server's dump outside the scheduler's
+process, so that its system calls never take the interpreter lock from the scheduler
+thread (BENCHMARKS.md, "The writer process").
+"""
+
+import fcntl
+import mmap
+import os
+import pickle
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from functools import partial
+from typing import Callable, Dict, List, Optional, Tuple
+
+# The most buffers one writev takes.
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+# Name prefix of files being written (format.TEMP_PREFIX, which imports torch).
+TEMP_PREFIX = ".partial-"
+
+
+class InOrder:
+    """Publishes the jobs that several threads take from one FIFO queue in the order they
+    were submitted, without a thread waiting for the jobs before its own: each thread
+    hands its finished job over and goes on, and the thread that hands over the job that
+    is due publishes it and every handed-over job due after it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._next = 0  # the sequence due
+        self._finished: Dict[int, Callable[[], None]] = {}
+        self._publishing = False
+
+    def finish(self, sequence: int, publish: Callable[[], None]) -> None:
+        """Hand over job `sequence`: `publish` runs once every earlier job's has, on
+        whichever thread gets there (this one, or one publishing already). It must not
+        raise."""
+        with self._lock:
+            self._finished[sequence] = publish
+            if self._publishing:
+                return  # the publishing thread will reach it
+            self._publishing = True
+        while True:
+            with self._lock:
+                publish = self._finished.pop(self._next, None)
+                if publish is None:
+                    self._publishing = False
+                    return
+                self._next += 1
+            publish()
+
+
+def write_temp_file(dump_dir: str, name: str, buffers: List[memoryview]) -> Tuple[str, int, int]:
+    """Write `buffers` back to back into a new temporary file for `name` and fsync it;
+    returns (its path, its descriptor, open and locked until it is published, its size).
+    The lock tells a writer starting on the same directory that the file is not stale."""
+    temp_path = os.path.join(dump_dir, TEMP_PREFIX + name)
+    fd = open_new_file(temp_path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        size = write_all(fd, buffers)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        remove_quietly(temp_path)
+        raise
+    return temp_path, fd, size
+
+
+def publish_file(dump_dir: str, manifest_name: str, name: str, temp_path: str, line: str) -> None:
+    """Rename a written file to `name` and append its manifest line; a failure leaves
+    neither the file nor its line."""
+    final_path = os.path.join(dump_dir, name)
+    try:
+        os.replace(temp_path, final_path)
+    except BaseException:
+        remove_quietly(temp_path)
+        raise
+    try:
+        append_line(os.path.join(dump_dir, manifest_name), line)
+    except BaseException:
+        remove_quietly(final_path)
+        raise
+
+
+def open_new_file(path: str) -> int:
+    """Create `path` for writing (it must not exist), and its directory if that is gone (a
+    dump directory removed under a running server is made again)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, flags, 0o644)
+
+
+def write_all(fd: int, buffers: List[memoryview]) -> int:
+    """Write `buffers` back to back at the file's position with as few writev calls as the
+    kernel takes (each at most IOV_MAX buffers; a short write resumes where it stopped);
+    returns the bytes written."""
+    pending = [memoryview(buffer).cast("B") for buffer in buffers]
+    pending = [buffer for buffer in pending if len(buffer)]
+    total = 0
+    while pending:
+        written = os.writev(fd, pending[:IOV_MAX])
+        if written <= 0:
+            raise OSError(f"writev wrote {written} bytes")
+        total += written
+        while pending and written >= len(pending[0]):
+            written -= len(pending.pop(0))
+        if written:
+            pending[0] = pending[0][written:]
+    return total
+
+
+def append_line(path: str, line: str) -> None:
+    """Append one line. The manifest is locked while the line is written: writers sharing
+    it (servers given one writer id) append whole lines, and a writer starting on it repairs
+    only a line no live writer is still appending (writer.repair_torn_manifest)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        data = (line + "\n").encode("utf-8")
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(f"short write to {path}")
+            os.fsync(fd)
+        except BaseException:
+            # A part of a line (a full disk) would join the next line appended.
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+# The writer process's messages, pickled plain tuples, one per SOCK_SEQPACKET packet.
+# To it: ("segment", id, size) with the segment's descriptor attached: shared memory that
+# rows are read from; ("forget", id): no job to come reads that segment; ("job", sequence,
+# name, [header bytes or (segment id, offset, length), ...], manifest line): a file; ("skip",
+# sequence): a job that failed before it was sent, whose turn passes. From it:
+# ("written", sequence, size, seconds) and ("failed", sequence, error text).
+MAX_MESSAGE_BYTES = 1 << 20
+PR_SET_PDEATHSIG = 1
+
+
+class WriterProcess:
+    """Reads jobs from the scheduler's socket, writes them on `threads` threads and
+    publishes them in their sequence's order, answering each. Ends once the socket is
+    closed and every job taken is answered."""
+
+    def __init__(self, sock: socket.socket, dump_dir: str, manifest_name: str, threads: int):
+        self.sock = sock
+        self.dump_dir = dump_dir
+        self.manifest_name = manifest_name
+        self.in_order = InOrder()
+        self.jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self.segments: Dict[int, mmap.mmap] = {}
+        self.threads = [threading.Thread(target=self._write, daemon=True) for _ in range(threads)]
+        self._send_lock = threading.Lock()
+
+    def run(self) -> None:
+        for thread in self.threads:
+            thread.start()
+        while True:
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE_BYTES, 1)
+            if not data:
+                break
+            message = pickle.loads(data)
+            kind = message[0]
+            if kind == "segment":
+                _, segment_id, size = message
+                self.segments[segment_id] = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
+                os.close(fds[0])
+            elif kind == "forget":
+                self.segments.pop(message[1], None)
+            elif kind == "job":
+                _, sequence, name, parts, line = message
+                try:
+                    # Views taken now: a segment forgotten later stays mapped until they go.
+                    buffers = [part if isinstance(part, bytes) else
+                               memoryview(self.segments[part[0]])[part[1] : part[1] + part[2]]
+                               for part in parts]
+                except KeyError as e:
+                    self._answer(("failed", sequence, f"no shared memory segment {e}"))
+                    self.in_order.finish(sequence, lambda: None)
+                    continue
+                self.jobs.put((sequence, name, buffers, line))
+            elif kind == "skip":
+                self.in_order.finish(message[1], lambda: None)
+        for _ in self.threads:
+            self.jobs.put(None)
+        for thread in self.threads:
+            thread.join()
+
+    def _write(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            sequence, name, buffers, line = job
+            started = time.perf_counter()
+            try:
+                temp_path, fd, size = write_temp_file(self.dump_dir, name, buffers)
+            except Exception as e:
+                self._answer(("failed", sequence, repr(e)))
+                self.in_order.finish(sequence, lambda: None)
+                continue
+            finally:
+                del job, buffers
+            written = (sequence, name, temp_path, fd, size, line, time.perf_counter() - started)
+            self.in_order.finish(sequence, partial(self._publish, *written))
+
+    def _publish(self, sequence, name, temp_path, fd, size, line, write_ms) -> None:
+        started = time.perf_counter()
+        try:
+            publish_file(self.dump_dir, self.manifest_name, name, temp_path, line)
+        except Exception as e:
+            self._answer(("failed", sequence, repr(e)))
+        else:
+            seconds = dict(write_ms=write_ms, manifest_ms=time.perf_counter() - started)
+            self._answer(("written", sequence, size, seconds))
+        finally:
+            os.close(fd)
+
+    def _answer(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self.sock.sendall(pickle.dumps(message))
+            except OSError:
+                pass  # the scheduler is gone: nobody to answer
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Be killed when the process that started this one dies (Linux), however it dies."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(0)  # it died before the line above
+
+
+def main(argv: List[str]) -> int:
+    """python files.py SOCKET_FD DUMP_DIR MANIFEST_NAME THREADS PARENT_PID"""
+    fd, dump_dir, manifest_name, threads, parent_pid = argv
+    die_with_parent(int(parent_pid))
+    # The server's signals are for the scheduler, which drains through this process and
+    # then closes the socket: that is when this process ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(fd))
+    WriterProcess(sock, dump_dir, manifest_name, int(threads)).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,100 @@
+"""The writer process: it writes the files writer threads would, byte for byte and in the
+same order; the rows it reads come from shared memory, overflow segments included, and go
+back once written; a forward whose copy failed passes its turn; a writer process that dies
+fails the files it held and every later one, counted, and nothing waits for it."""
+
+import os
+import signal
+
+from sglang.srt.hidden_states_dump import copier
+from sglang.srt.hidden_states_dump.format import read_manifest
+from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
+from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.hidden_states_dump.writer import DumpWriter
+from tests.unit.dump_standins import (
+    assert_dir_holds_exactly,
+    assert_dumped,
+    prompt,
+    run_forward,
+    start_dumper,
+    stats,
+    submit_many,
+    wait_for_manifest,
+    wait_for_stats,
+    wait_for_writer,
+)
+
+LAYER_IDS = [0, 2, 4]
+
+
+def test_the_writer_process_writes_the_files_writer_threads_write(tmp_path):
+    dumps = {}
+    for writer_process in (True, False):
+        dump_dir = tmp_path / f"process-{writer_process}"
+        dump_dir.mkdir()
+        dumper = start_dumper(dump_dir, LAYER_IDS, writer_process=writer_process)
+        assert type(dumper.writer) is (ProcessDumpWriter if writer_process else DumpWriter)
+        # One forward of several requests, then a prompt in two chunks.
+        run_forward(dumper, [(DumpRequest(f"b{i}", 30), prompt(500 + 50 * i, 30), 0) for i in range(5)])
+        run_forward(dumper, [(DumpRequest("chunked", 40), prompt(9000, 25), 0)])
+        run_forward(dumper, [(DumpRequest("chunked", 40), prompt(9025, 15), 25)])
+        lines = wait_for_manifest(dump_dir, ["b0", "b1", "b2", "b3", "b4", "chunked"])
+        for line in lines:
+            expected = prompt(9000, 40) if line["rid"] == "chunked" else prompt(500 + 50 * int(line["rid"][1:]), 30)
+            assert_dumped(dump_dir, line, expected, LAYER_IDS)
+        assert_dir_holds_exactly(dump_dir, lines)
+        # Each file's bytes apart from its writer's run id, which names the file.
+        dumps[writer_process] = [(line["rid"], (dump_dir / line["file"]).read_bytes()) for line in lines]
+    assert [rid for rid, _ in dumps[True]] == [rid for rid, _ in dumps[False]]
+    assert [len(data) for _, data in dumps[True]] == [len(data) for _, data in dumps[False]]
+    assert [data[-4096:] for _, data in dumps[True]] == [data[-4096:] for _, data in dumps[False]]
+
+
+def test_overflow_rows_cross_in_segments_of_their_own_that_go_once_written(dump_dir):
+    dumper = start_dumper(dump_dir, [1, 2], reserve_bytes=4096)  # no forward fits
+    requests = {f"big-{i}": prompt(1000 + 1000 * i, 200) for i in range(3)}
+    for rid, tokens in requests.items():
+        run_forward(dumper, [(DumpRequest(rid, len(tokens)), tokens, 0)])
+    lines = wait_for_writer(dumper, dump_dir)
+    assert dumper.host_buffers.overflows == 3
+    for line in lines:
+        assert_dumped(dump_dir, line, requests[line["rid"]], [1, 2])
+    # Every overflow segment is forgotten once its file is written; the reserve stays.
+    wait_for_stats(dumper, lambda _: list(dumper.host_buffers.segments) == [0])
+
+
+def test_a_forward_whose_copy_failed_passes_its_turn(dump_dir, monkeypatch):
+    copy = copier.RowsCopier._copy
+    forwards = []
+
+    def copy_failing_the_second(self, job, sliced):
+        forwards.append(job)
+        if len(forwards) == 2:
+            raise RuntimeError("the copy to the host failed")
+        return copy(self, job, sliced)
+
+    monkeypatch.setattr(copier.RowsCopier, "_copy", copy_failing_the_second)
+    dumper = start_dumper(dump_dir, [1])
+    rids = submit_many(dumper, 5)
+
+    counters = wait_for_stats(dumper, lambda c: c["files"] + c["errors"] == 5)
+    assert counters["errors"] == 1
+    lines = read_manifest(str(dump_dir))
+    assert [line["rid"] for line in lines] == [rid for rid in rids if rid != "r1"]
+    assert_dir_holds_exactly(dump_dir, lines)
+
+
+def test_a_writer_process_that_dies_fails_every_file_and_nothing_waits(dump_dir, caplog):
+    dumper = start_dumper(dump_dir, [1])
+    run_forward(dumper, [(DumpRequest("before", 4), prompt(100, 4), 0)])
+    wait_for_manifest(dump_dir, ["before"])
+
+    os.kill(dumper.writer.process.pid, signal.SIGKILL)
+    dumper.writer.process.wait()
+    rids = submit_many(dumper, 6)
+
+    counters = wait_for_stats(dumper, lambda c: c["errors"] == len(rids))
+    assert counters["files"] == 1
+    assert dumper.writer.drain(timeout=5) == 0  # nothing left to wait for
+    assert [line["rid"] for line in read_manifest(str(dump_dir))] == ["before"]
+    assert "the writer process" in caplog.text
