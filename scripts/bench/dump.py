@@ -83,12 +83,13 @@ PRESETS = {
     # so the static fraction leaves room for that; --max-total-tokens, not the fraction,
     # sizes each KV cache (1.2 GB).
     "gpu": dict(model=dict(layers=4, widths="deepseek", hidden_size=7168), prompts=512, prompt_len=512,
-                repeats=5, server_args=SERVER_ARGS + ("--mem-fraction-static", "0.25", "--max-total-tokens", "262144",
+                repeats=12, server_args=SERVER_ARGS + ("--mem-fraction-static", "0.25", "--max-total-tokens", "262144",
                                                           "--disable-cuda-graph"),
                 lengths=(128, 512, 2048, 8192), layer_counts=(1, 4), hidden_prompts=64, fidelity_prompts=16,
                 tmpfs_dir="/dev/shm",
                 tmpfs_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"},
                                 "1 layer": {"SGLANG_HS_DUMP_LAYERS": "3"},
+                                "8 writer threads": {"SGLANG_HS_DUMP_WRITER_THREADS": "8"},
                                 "16 writer threads": {"SGLANG_HS_DUMP_WRITER_THREADS": "16"},
                                 "writer threads": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0"}}),
     # A TP8 rank's compute per token: one rank of DeepSeek-V3 / Kimi-K2.5 (61 layers, 58 of

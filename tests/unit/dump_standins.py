@@ -169,6 +169,18 @@ def wait_for_stats(dumper, done, timeout=WAIT_TIMEOUT_S) -> Dict[str, int]:
     return stats(dumper)
 
 
+def wait_for_free_regions(dumper, expected, timeout=WAIT_TIMEOUT_S) -> None:
+    """Poll until the dumper's host buffers have exactly the free regions `expected`: a
+    writer process answers a file after its manifest line, and only then are its rows
+    given back."""
+    deadline = time.monotonic() + timeout
+    while dumper.host_buffers.free_regions() != expected:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {timeout}s the free regions are {dumper.host_buffers.free_regions()}, "
+                                 f"not {expected}")
+        time.sleep(0.01)
+
+
 def submit_many(dumper, count) -> List[str]:
     rids = [f"r{i}" for i in range(count)]
     for i, rid in enumerate(rids):

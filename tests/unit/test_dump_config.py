@@ -273,14 +273,17 @@ def test_check_server_args_names_every_refusal():
         assert named in str(error.value)
 
 
-@pytest.mark.parametrize("cores, threads", [(2, 4), (16, 4), (32, 8), (64, 16), (256, 16)])
-def test_writer_threads_unset_come_from_the_hosts_cores(dump_dir, monkeypatch, caplog, cores, threads):
+@pytest.mark.parametrize("writer_process, cores, threads", [
+    (True, 2, 4), (True, 16, 8), (True, 32, 16), (True, 256, 16),
+    (False, 2, 4), (False, 16, 4), (False, 32, 8), (False, 64, 16), (False, 256, 16)])
+def test_writer_threads_unset_come_from_the_hosts_cores(dump_dir, monkeypatch, caplog, writer_process, cores,
+                                                        threads):
     # Every release declares the variable with 0 (from the host's cores) as its default.
     monkeypatch.delenv("SGLANG_HS_DUMP_WRITER_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     with caplog.at_level("INFO", logger="sglang.srt.hidden_states_dump"):
-        start_dumper(dump_dir, [1])
-    assert f"writer_threads={threads}" in caplog.text
+        start_dumper(dump_dir, [1], writer_process=writer_process)
+    assert f"writer_threads={threads} writer_process={'on' if writer_process else 'off'}" in caplog.text
 
 
 # --- the patch markers ----------------------------------------------------------

@@ -16,7 +16,9 @@ The modules, each one concern:
     requests        which requests of a batch are dumped (the scheduler's hooks)
     capture         the model's hook on the scheduler thread: rows off the device
     host_buffers    host memory for the rows, reused across forwards
-    writer          writer threads, publishing files in submission order
+    writer          the writer: a queue of requests, files published in submission order
+    files           the file protocol (standard library only), and the writer process
+    process_writer  the writer's threads in a process of their own, fed from shared memory
     stats           counters and timings
     lifecycle       writing what is queued before a process goes
 

@@ -83,17 +83,18 @@ class DumpConfig:
         drain_timeout_s = envs.SGLANG_HS_DUMP_DRAIN_TIMEOUT_S.get()
         if drain_timeout_s < 0:
             raise ValueError("SGLANG_HS_DUMP_DRAIN_TIMEOUT_S must not be negative.")
+        writer_process = envs.SGLANG_HS_DUMP_WRITER_PROCESS.get()
         return cls(
             dump_dir=dump_dir,
             layers=envs.SGLANG_HS_DUMP_LAYERS.get(),
             queue_size=queue_size,
             on_full_queue=on_full_queue,
-            writer_threads=writer_threads or default_writer_threads(),
+            writer_threads=writer_threads or default_writer_threads(writer_process),
             drain_timeout_s=drain_timeout_s,
             dtype=parse_dtype(envs.SGLANG_HS_DUMP_DTYPE.get()),
             writer_id=parse_writer_id(envs.SGLANG_HS_DUMP_WRITER_ID.get()),
             host_memory_mb=host_memory_mb,
-            writer_process=envs.SGLANG_HS_DUMP_WRITER_PROCESS.get(),
+            writer_process=writer_process,
         )
 
     def layer_ids(self, num_layers: int) -> List[int]:
@@ -165,11 +166,14 @@ def parse_writer_id(value: Optional[str]) -> Optional[str]:
     return value
 
 
-def default_writer_threads() -> int:
-    """Writer threads when SGLANG_HS_DUMP_WRITER_THREADS is 0: a quarter of the host's
-    cores, 4 to 16 (one writer alone landed 9 GB/s with 4 threads and 16 GB/s with 8 on
-    a 32-core host's tmpfs)."""
-    return max(4, min(16, (os.cpu_count() or 4) // 4))
+def default_writer_threads(writer_process: bool = True) -> int:
+    """Writer threads when SGLANG_HS_DUMP_WRITER_THREADS is 0: half the host's cores in a
+    writer process, a quarter in the scheduler's own (where each takes the interpreter lock
+    from the scheduler thread at every system call); 4 to 16 either way. In a writer
+    process at a 9 GB/s prefill, 8 threads landed what 4 could not (BENCHMARKS.md, "The
+    writer process")."""
+    share = 2 if writer_process else 4
+    return max(4, min(16, (os.cpu_count() or 4) // share))
 
 
 def check_dump_dir(dump_dir: str) -> None:
