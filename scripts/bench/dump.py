@@ -114,7 +114,8 @@ PRESETS = {
                      # Where the time of a dump to memory goes (pick them with --contenders: at
                      # this preset four servers fit the GPU, a fifth fails SGLang's memory check).
                      tmpfs_stages={"capture skipped": "capture_skipped", "rows not copied": "rows_not_copied",
-                                   "copied, not written": "copied_not_written"}),
+                                   "copied, not written": "copied_not_written",
+                                   "fp8 quantized, not copied": "quantized_not_copied"}),
 }
 
 

@@ -12,6 +12,9 @@ tests/server/fault_hooks.py does) and replaces one stage of the dump in that pro
 - `copied_not_written`: everything up to the writer threads, which wait for each copy and
   write nothing: the copies, without the files. It replaces the writer threads' stages, so
   its server runs them (SGLANG_HS_DUMP_WRITER_PROCESS=0, STAGE_ENV), not a writer process.
+- `quantized_not_copied`: an fp8 dump (SGLANG_HS_DUMP_DTYPE=fp8) whose copier quantizes
+  each forward's rows on its stream and waits for them, then copies nothing, and whose
+  writer threads write nothing: what fp8's quantization costs the forwards.
 
 The hooks themselves do nothing. A server with any of them lands no files; its round ends at
 its last response.
@@ -19,9 +22,10 @@ its last response.
 
 import json
 
-STAGES = ("capture_skipped", "rows_not_copied", "copied_not_written")
+STAGES = ("capture_skipped", "rows_not_copied", "copied_not_written", "quantized_not_copied")
 # What a server with a stage left out needs in its environment.
-STAGE_ENV = {"copied_not_written": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0"}}
+STAGE_ENV = {"copied_not_written": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0"},
+             "quantized_not_copied": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0", "SGLANG_HS_DUMP_DTYPE": "fp8"}}
 
 
 def capture_skipped(config):
@@ -62,6 +66,30 @@ def copied_not_written(config):
 
     DumpWriter.write_file = write_file
     DumpWriter._publish = publish
+    return lambda module, inputs, output: None
+
+
+def quantized_not_copied(config):
+    import torch
+
+    from sglang.srt.hidden_states_dump.copier import RowsCopier
+    from sglang.srt.hidden_states_dump.format import quantize_file_rows
+
+    def copy(self, job, sliced):
+        # The copier's work up to its first slice: the fp8 rows made on its stream, waited
+        # for, then dropped instead of copied.
+        on_device = self.stream is not None
+        if on_device:
+            self.stream.wait_event(job.gathered)
+            with torch.cuda.stream(self.stream):
+                quantize_file_rows(job.rows)
+                sliced.record(self.stream)
+            sliced.synchronize()
+        else:
+            quantize_file_rows(job.rows)
+
+    RowsCopier._copy = copy
+    copied_not_written(config)  # and the writer threads write nothing
     return lambda module, inputs, output: None
 
 
