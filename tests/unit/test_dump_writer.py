@@ -222,27 +222,27 @@ def test_a_written_file_waiting_for_its_turn_survives_another_writer_starting(du
 
 
 def test_write_all_writes_every_buffer_in_order_past_iov_max_and_short_writes(tmp_path, monkeypatch):
-    from sglang.srt.hidden_states_dump import writer
+    from sglang.srt.hidden_states_dump import files
 
-    buffers = [bytes([i % 251]) * (1 + i % 5) for i in range(3 * writer.IOV_MAX + 7)]
+    buffers = [bytes([i % 251]) * (1 + i % 5) for i in range(3 * files.IOV_MAX + 7)]
     expected = b"".join(buffers)
     real_writev = os.writev
     calls = []
 
     def short_writev(fd, pending):  # the kernel may take a prefix of what it is given
         calls.append(len(pending))
-        assert len(pending) <= writer.IOV_MAX
+        assert len(pending) <= files.IOV_MAX
         return real_writev(fd, [b"".join(bytes(b) for b in pending[:3])[:7]])
 
     for name, patched in (("whole", None), ("short", short_writev)):
         path = tmp_path / name
         if patched:
-            monkeypatch.setattr(writer.os, "writev", patched)
+            monkeypatch.setattr(files.os, "writev", patched)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT)
         try:
-            assert writer.write_all(fd, [memoryview(b) for b in buffers]) == len(expected)
+            assert files.write_all(fd, [memoryview(b) for b in buffers]) == len(expected)
         finally:
             os.close(fd)
         assert path.read_bytes() == expected, name
     # Every call was given as many buffers as one takes, and the short writes resumed.
-    assert calls[0] == writer.IOV_MAX and len(calls) >= len(expected) // 7
+    assert calls[0] == files.IOV_MAX and len(calls) >= len(expected) // 7

@@ -13,7 +13,8 @@ import pytest
 from sglang.srt.hidden_states_dump.config import DumpConfig, parse_writer_id
 from sglang.srt.hidden_states_dump.format import manifest_name, manifest_paths, read_manifest
 from sglang.srt.hidden_states_dump.requests import DumpRequest
-from sglang.srt.hidden_states_dump.writer import append_line, repair_torn_manifest
+from sglang.srt.hidden_states_dump.files import append_line
+from sglang.srt.hidden_states_dump.writer import repair_torn_manifest
 from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
 from tests.unit.dump_standins import HIDDEN_SIZE, dump_config, prompt, run_forward, stand_in_metadata, wait_for_manifest
 

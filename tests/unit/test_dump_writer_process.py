@@ -6,7 +6,7 @@ fails the files it held and every later one, counted, and nothing waits for it."
 import os
 import signal
 
-from sglang.srt.hidden_states_dump import copier
+from sglang.srt.hidden_states_dump import copier, files, format
 from sglang.srt.hidden_states_dump.format import read_manifest
 from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
 from sglang.srt.hidden_states_dump.requests import DumpRequest
@@ -25,6 +25,12 @@ from tests.unit.dump_standins import (
 )
 
 LAYER_IDS = [0, 2, 4]
+
+
+def test_the_writer_process_names_temporary_files_as_the_rest_of_the_dump_does():
+    # files.py imports only the standard library, so it keeps its own copy of the prefix
+    # that startup's stale-file removal and the readers know from format.py.
+    assert files.TEMP_PREFIX == format.TEMP_PREFIX
 
 
 def test_the_writer_process_writes_the_files_writer_threads_write(tmp_path):

@@ -198,8 +198,7 @@ class WriterProcess:
                                memoryview(self.segments[part[0]])[part[1] : part[1] + part[2]]
                                for part in parts]
                 except KeyError as e:
-                    self._answer(("failed", sequence, f"no shared memory segment {e}"))
-                    self.in_order.finish(sequence, lambda: None)
+                    self._failed(sequence, f"no shared memory segment {e}")
                     continue
                 self.jobs.put((sequence, name, buffers, line))
             elif kind == "skip":
@@ -219,13 +218,17 @@ class WriterProcess:
             try:
                 temp_path, fd, size = write_temp_file(self.dump_dir, name, buffers)
             except Exception as e:
-                self._answer(("failed", sequence, repr(e)))
-                self.in_order.finish(sequence, lambda: None)
+                self._failed(sequence, repr(e))
                 continue
             finally:
                 del job, buffers
             written = (sequence, name, temp_path, fd, size, line, time.perf_counter() - started)
             self.in_order.finish(sequence, partial(self._publish, *written))
+
+    def _failed(self, sequence: int, error: str) -> None:
+        """Answer that a job failed before its file was written; its turn passes."""
+        self._answer(("failed", sequence, error))
+        self.in_order.finish(sequence, lambda: None)
 
     def _publish(self, sequence, name, temp_path, fd, size, line, write_ms) -> None:
         started = time.perf_counter()

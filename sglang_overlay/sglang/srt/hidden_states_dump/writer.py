@@ -20,16 +20,7 @@ from typing import Dict, List
 
 import torch
 
-from sglang.srt.hidden_states_dump.files import (  # noqa: F401 (the file protocol's names)
-    IOV_MAX,
-    InOrder,
-    append_line,
-    open_new_file,
-    publish_file,
-    remove_quietly,
-    write_all,
-    write_temp_file,
-)
+from sglang.srt.hidden_states_dump.files import InOrder, publish_file, write_temp_file
 from sglang.srt.hidden_states_dump.format import (
     TEMP_PREFIX,
     DumpCounters,
@@ -297,10 +288,3 @@ def remove_stale_temp_files(dump_dir: str) -> None:
             continue
         except OSError:
             pass
-
-
-def remove_quietly(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
