@@ -51,9 +51,11 @@ def test_quantized_rows_round_trip_within_fp8_rounding():
     quantized, scale = quantize_rows(rows)
     assert quantized.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     assert scale.shape == (64, 3) and scale[5, 1] == 1
-    # Each scale is its row's largest magnitude, whichever its sign, over FP8_MAX.
+    # Each scale is its row's largest magnitude, whichever its sign, over FP8_MAX: times
+    # its float32 reciprocal, as a CUDA device computes the quotient, within an ulp of it.
     largest = rows.float().abs().amax(-1)
-    assert torch.equal(scale[largest > 0], largest[largest > 0] / FP8_MAX)
+    assert torch.equal(scale[largest > 0], largest[largest > 0] * torch.tensor(1 / FP8_MAX, dtype=torch.float32))
+    assert torch.allclose(scale[largest > 0], largest[largest > 0] / FP8_MAX, rtol=2.0**-23, atol=0)
     assert torch.equal(quantized.float().abs().amax(-1)[scale != 1], torch.full_like(scale[scale != 1], FP8_MAX))
     dequantized = dequantize_rows(quantized, scale, torch.bfloat16)
     assert dequantized.dtype == torch.bfloat16

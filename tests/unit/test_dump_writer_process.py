@@ -5,6 +5,7 @@ fails the files it held and every later one, counted, and nothing waits for it."
 
 import os
 import signal
+import threading
 
 from sglang.srt.hidden_states_dump import copier, files, format
 from sglang.srt.hidden_states_dump.format import read_manifest
@@ -104,3 +105,17 @@ def test_a_writer_process_that_dies_fails_every_file_and_nothing_waits(dump_dir,
     assert dumper.writer.drain(timeout=5) == 0  # nothing left to wait for
     assert [line["rid"] for line in read_manifest(str(dump_dir))] == ["before"]
     assert "the writer process" in caplog.text
+
+
+def test_the_writer_process_outlives_the_thread_that_built_the_dumper(dump_dir):
+    # Linux sends a child its parent-death signal when the thread that started it ends, so
+    # a writer process started from a passing thread would be killed with that thread.
+    built = []
+    builder = threading.Thread(target=lambda: built.append(start_dumper(dump_dir, [1])))
+    builder.start()
+    builder.join()
+    dumper = built[0]
+    rids = submit_many(dumper, 3)
+    assert [line["rid"] for line in wait_for_manifest(dump_dir, rids)] == rids
+    assert dumper.writer.process.poll() is None
+    assert stats(dumper)["errors"] == 0

@@ -11,8 +11,8 @@ A slice is a range of rows of every tensor of the forward, in row order, so the 
 requests' rows land first: a writer waits on the forward's Landing for its own rows only and
 writes them while the rest are still crossing. A copy that fails fails the writes that wait.
 
-In fp8 the copier quantizes the rows before it copies them (on the copy stream on a GPU):
-the kernels are launched on its thread, not the scheduler's.
+In fp8 the copier quantizes the rows before it copies them (on the copy stream on a GPU, in
+one pass: fp8_rows): the kernels are launched on its thread, not the scheduler's.
 """
 
 import logging
@@ -24,6 +24,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from sglang.srt.hidden_states_dump import fp8_rows
 from sglang.srt.hidden_states_dump.format import quantize_file_rows
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class RowsCopier:
         with torch.cuda.stream(self.stream) if on_device else nullcontext():
             if on_device:
                 self.stream.wait_event(job.gathered)
-            rows = quantize_file_rows(job.rows) if job.quantize else job.rows
+            rows = quantize_file_rows(job.rows, fp8_rows.quantize_rows) if job.quantize else job.rows
             pairs = [(rows[name], target) for name, target in job.targets.items()]
             for start, end in row_slices(pairs, self.slice_bytes):
                 for device_rows, host_rows in pairs:

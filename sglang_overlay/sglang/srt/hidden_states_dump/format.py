@@ -100,13 +100,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def quantize_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 rows and the float32 scale of each (its amax / FP8_MAX), over the
+    """float8 e4m3 rows and the float32 scale of each (its amax times 1 / FP8_MAX), over the
     last dimension; an all-zero row gets scale 1. Three passes over the rows, with one
-    float32 temporary (the quotient): the copier runs this beside the forwards, on the
-    same device memory."""
+    float32 temporary (the quotient); on a GPU the copier quantizes with fp8_rows' kernel,
+    which makes the same bits in one pass."""
     low, high = torch.aminmax(rows, dim=-1)
     amax = torch.maximum(high, -low).float()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Times the float32 reciprocal, which is what `amax / FP8_MAX` computes on a CUDA device
+    # (but not on the CPU): written out, every device makes the same scales.
+    scale = torch.where(amax > 0, amax * (1 / FP8_MAX), torch.ones_like(amax))
     # In float32, as bf16 rows divided by a float32 scale promote to.
     quantized = torch.div(rows, scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
     return quantized, scale
@@ -116,11 +118,13 @@ def quantize_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 QUANTIZED_TENSORS = ("hidden_states", "last_hidden_state")
 
 
-def quantize_file_rows(rows: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """A forward's rows in the file's fp8 form: each state tensor quantized, with its scales."""
+def quantize_file_rows(rows: Dict[str, torch.Tensor], quantize=None) -> Dict[str, torch.Tensor]:
+    """A forward's rows in the file's fp8 form: each state tensor quantized, with its scales
+    (by `quantize`, when given: a function with quantize_rows's results)."""
+    quantize = quantize or quantize_rows
     quantized = dict(rows)
     for name in QUANTIZED_TENSORS:
-        quantized[name], quantized[f"{name}_scale"] = quantize_rows(rows[name])
+        quantized[name], quantized[f"{name}_scale"] = quantize(rows[name])
     return quantized
 
 

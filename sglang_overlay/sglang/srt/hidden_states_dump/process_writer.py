@@ -16,7 +16,8 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import Dict, Optional, Tuple
+from concurrent.futures import Future
+from typing import Dict, List, Optional, Tuple
 
 from sglang.srt.hidden_states_dump import files
 from sglang.srt.hidden_states_dump.host_buffers import HostBuffers, SharedSegment
@@ -41,22 +42,25 @@ class ProcessDumpWriter(DumpWriter):
         self._lock = threading.Lock()
         self._gone: Optional[str] = None  # why the writer process is gone
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        command = [sys.executable, "-I", "-S", files.__file__, str(theirs.fileno()), dump_dir,
+                   manifest_name, str(threads), str(os.getpid())]
+        # The answers thread starts the writer process: Linux sends the parent-death signal
+        # when the *thread* that started a child ends, and this one lives as long as the
+        # writer process matters, where the thread building the dumper may end first.
+        started: "Future[subprocess.Popen]" = Future()
+        threading.Thread(target=self._read_answers, args=(command, theirs, started),
+                         name="hidden-states-dump-answers", daemon=True).start()
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-I", "-S", files.__file__, str(theirs.fileno()), dump_dir,
-                 manifest_name, str(threads), str(os.getpid())],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            theirs.close()
+            self.process = started.result()
+        except BaseException:
+            self._socket.close()
+            raise
         host_buffers.on_segment = self._send_segment
         host_buffers.on_forget = lambda segment_id: self._send(("forget", segment_id))
         for segment in list(host_buffers.segments.values()):
             self._send_segment(segment)
         super().__init__(dump_dir, metadata, queue_size=queue_size, on_full_queue=on_full_queue,
                          threads=1, manifest_name=manifest_name)
-        threading.Thread(target=self._read_answers, name="hidden-states-dump-answers", daemon=True).start()
         logger.info(f"hidden states dump: files written by writer process {self.process.pid}")
 
     def stop(self, timeout: Optional[float] = None) -> None:
@@ -94,7 +98,15 @@ class ProcessDumpWriter(DumpWriter):
             if not self._send(message):
                 self._answered(("failed", message[1], self._gone or "the writer process is gone"))
 
-    def _read_answers(self) -> None:
+    def _read_answers(self, command: List[str], theirs: socket.socket, started: Future) -> None:
+        try:
+            process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        except BaseException as e:
+            started.set_exception(e)
+            return
+        finally:
+            theirs.close()
+        started.set_result(process)
         while True:
             try:
                 data = self._socket.recvmsg(files.MAX_MESSAGE_BYTES)[0]
@@ -103,7 +115,7 @@ class ProcessDumpWriter(DumpWriter):
             if not data:
                 break
             self._answered(pickle.loads(data))
-        code = self.process.wait()
+        code = process.wait()
         with self._lock:
             self._gone = f"the writer process exited (status {code})"
             sequences = list(self._in_flight)
