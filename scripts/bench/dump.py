@@ -52,7 +52,7 @@ from typing import Dict, List, Optional, Tuple
 
 from scripts.bench.measure import (clear_files, dd_rate, filesystem, prompts_for, send_all, send_and_land,
                                    send_and_land_split, summary)
-from scripts.bench.copier_hooks import slices_hook
+from scripts.bench.copier_hooks import copier_hook, slices_hook
 from scripts.bench.dump_stages import STAGE_ENV, forward_hooks_arg
 from scripts.bench.profile import read_stacks, summarize
 from scripts.bench.trace import summarize_trace
@@ -91,7 +91,8 @@ PRESETS = {
                                 "1 layer": {"SGLANG_HS_DUMP_LAYERS": "3"},
                                 "8 writer threads": {"SGLANG_HS_DUMP_WRITER_THREADS": "8"},
                                 "16 writer threads": {"SGLANG_HS_DUMP_WRITER_THREADS": "16"},
-                                "writer threads": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0"}}),
+                                "writer threads": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0"}},
+                tmpfs_copier_hooks={"fp8 quantized by PyTorch": ({"SGLANG_HS_DUMP_DTYPE": "fp8"}, "quantized_by_pytorch")}),
     # A TP8 rank's compute per token: one rank of DeepSeek-V3 / Kimi-K2.5 (61 layers, 58 of
     # them MoE with 8 of 256 experts active, TP8) does about 9 GFLOP per token; 16 layers at
     # DeepSeek width with this model's experts do about 6, so a prefill runs at the rate a
@@ -110,6 +111,9 @@ PRESETS = {
                                                            "writer threads": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0"}},
                      # The copier's slice size (16 MiB by default) against the lock hand-overs.
                      tmpfs_slices={"64 MiB slices": 64 << 20},
+                     # fp8 quantized the way it was before fp8_rows' kernel.
+                     tmpfs_copier_hooks={"fp8 quantized by PyTorch": ({"SGLANG_HS_DUMP_DTYPE": "fp8"},
+                                                                      "quantized_by_pytorch")},
                      disk_variants={"fp8": {"SGLANG_HS_DUMP_DTYPE": "fp8"}},
                      # Where the time of a dump to memory goes (pick them with --contenders: at
                      # this preset four servers fit the GPU, a fifth fails SGLang's memory check).
@@ -176,6 +180,11 @@ def prefill_contenders(run: BenchRun) -> Dict[str, Contender]:
             dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-slices-{slice_bytes}-", dir=preset["tmpfs_dir"]))
             contenders[f"patched, dump on (tmpfs, {label})"] = Contender(
                 dump_dir, extra=("--forward-hooks", json.dumps([slices_hook(slice_bytes)])))
+        # The same dump with the copier changed (scripts/bench/copier_hooks.py).
+        for label, (env, hook) in preset.get("tmpfs_copier_hooks", {}).items():
+            dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{hook}-", dir=preset["tmpfs_dir"]))
+            contenders[f"patched, dump on (tmpfs, {label})"] = Contender(
+                dump_dir, env, extra=("--forward-hooks", json.dumps([copier_hook(hook)])))
         # The same dump with its later stages left out (scripts/bench/dump_stages.py).
         for label, stage in preset.get("tmpfs_stages", {}).items():
             dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{stage}-", dir=preset["tmpfs_dir"]))

@@ -72,6 +72,7 @@ def copied_not_written(config):
 def quantized_not_copied(config):
     import torch
 
+    from sglang.srt.hidden_states_dump import fp8_rows
     from sglang.srt.hidden_states_dump.copier import RowsCopier
     from sglang.srt.hidden_states_dump.format import quantize_file_rows
 
@@ -82,11 +83,11 @@ def quantized_not_copied(config):
         if on_device:
             self.stream.wait_event(job.gathered)
             with torch.cuda.stream(self.stream):
-                quantize_file_rows(job.rows)
+                quantize_file_rows(job.rows, fp8_rows.quantize_rows)
                 sliced.record(self.stream)
             sliced.synchronize()
         else:
-            quantize_file_rows(job.rows)
+            quantize_file_rows(job.rows, fp8_rows.quantize_rows)
 
     RowsCopier._copy = copy
     copied_not_written(config)  # and the writer threads write nothing

@@ -4,7 +4,9 @@
 # `writer` runs scripts/bench/writer.py (the dump writer alone, on the disk and on
 # /dev/shm), `writer-disk` the writer alone on the disk with 4 threads in bf16 and fp8,
 # `writer-busy` the writer alone on /dev/shm with 4 threads beside a busy Python thread and not,
-# `pinned` scripts/bench/pinned.py (pinned host allocations, cold and warm); any other name
+# `pinned` scripts/bench/pinned.py (pinned host allocations, cold and warm), `fp8-rows`
+# scripts/bench/fp8_rows.py (fp8 quantization of a forward's rows, PyTorch against the
+# kernel); any other name
 # is a scripts/bench/dump.py suite, run with the preset BENCH_PRESET (default gpu; gpu-rank:
 # a TP8 rank's compute) and, when set, --contenders "$BENCH_CONTENDERS". BENCH_DEADLINE_S, when set,
 # is bench_dump's --deadline-s, BENCH_PROMPTS its --prompts; BENCH_TIMEOUT_S, when set, stops bench_dump after that
@@ -53,6 +55,9 @@ for suite in "$@"; do
             --out "$OUT/bench-writer-busy.json" > "$OUT/bench-writer-busy.txt" 2>&1 || status=1
         tail -n 3 "$OUT/bench-writer-busy.txt"
         rm -rf /dev/shm/bench-writer
+    elif [ "$suite" = fp8-rows ]; then
+        python3 -m scripts.bench.fp8_rows --out "$OUT/bench-fp8-rows.json" > "$OUT/bench-fp8-rows.txt" 2>&1 || status=1
+        tail -n 3 "$OUT/bench-fp8-rows.txt"
     elif [ "$suite" = pinned ]; then
         python3 -m scripts.bench.pinned --out "$OUT/bench-pinned.json" > "$OUT/bench-pinned.txt" 2>&1 || status=1
         tail -n 12 "$OUT/bench-pinned.txt"
