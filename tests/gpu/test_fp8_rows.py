@@ -65,3 +65,36 @@ def test_rows_the_kernel_does_not_take_go_the_pytorch_way():
         q, scale = fp8_rows.quantize_rows(rows)
         expected_q, expected_scale = format.quantize_rows(rows)
         assert torch.equal(bits(q), bits(expected_q)) and torch.equal(scale, expected_scale)
+
+
+def test_a_servers_fp8_dump_is_its_bf16_dump_quantized(tmp_path):
+    # Two servers, one prompt: the fp8 file (the kernel on the copier's stream) holds
+    # exactly what format.quantize_rows makes of the bf16 file's rows, on the CPU.
+    import random
+
+    from scripts.dump_format import load_dump
+    from scripts.dumps.server import Server, runtime_env, wait_for_manifest
+    from scripts.dumps.tiny_model import ensure_model
+    from sglang.srt.hidden_states_dump import format
+
+    model = ensure_model(layers=4, q_lora=True, widths="deepseek")
+    prompt = random.Random(7).sample(range(5, 1000), 300)
+    records = {}
+    for dtype in ("bf16", "fp8"):
+        dump_dir = tmp_path / dtype
+        env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_HS_DUMP_LAYERS="1,2,4",
+                          SGLANG_HS_DUMP_DTYPE=dtype)
+        with Server(model, tmp_path / f"server-{dtype}.log", env, ["--disable-cuda-graph"]) as server:
+            server.wait_ready(timeout=400)
+            server.generate(prompt, max_new_tokens=1)
+            [line] = wait_for_manifest(dump_dir, 1)
+            assert "quantized with PyTorch from now on" not in server.log()  # the kernel ran
+        records[dtype] = load_dump(str(dump_dir / line["file"]), raw=True)
+    bf16, fp8 = records["bf16"], records["fp8"]
+    assert fp8.token_ids.tolist() == bf16.token_ids.tolist() == prompt
+    for name in format.QUANTIZED_TENSORS:
+        expected_q, expected_scale = format.quantize_rows(getattr(bf16, name))
+        q, scale = getattr(fp8, name), getattr(fp8, f"{name}_scale")
+        assert torch.equal(scale, expected_scale), name
+        mismatched = (bits(q) != bits(expected_q)).sum().item()
+        assert mismatched == 0, f"{name}: {mismatched} of {q.numel()} fp8 values differ"

@@ -8,11 +8,14 @@ fp8 bytes and its scale: 3 bytes per element, with the same bits for rows of fin
 PyTorch's does).
 """
 
-from typing import Tuple
+import logging
+from typing import Optional, Tuple
 
 import torch
 
 from sglang.srt.hidden_states_dump import format
+
+logger = logging.getLogger(__name__)
 
 # One row is one program's block: wider rows go the PyTorch way.
 MAX_ROW_ELEMENTS = 16384
@@ -38,12 +41,35 @@ if triton is not None:
         tl.store(scale_ptr + row, scale)
 
 
+# Why the kernel is not used in this process, once it failed (None: it has not).
+_kernel_failed: Optional[str] = None
+
+
 def quantize_rows(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """format.quantize_rows(rows), in one kernel on the current stream where it applies (a
-    CUDA tensor, Triton, rows of at most MAX_ROW_ELEMENTS), else by format.quantize_rows."""
-    row_len = rows.shape[-1] if rows.dim() else 0
-    if triton is None or not rows.is_cuda or not 0 < row_len <= MAX_ROW_ELEMENTS:
+    """format.quantize_rows(rows), in one kernel on the current stream where it applies (an
+    NVIDIA GPU with fp8 conversions, compute capability 8.9 or later; Triton; rows of at most
+    MAX_ROW_ELEMENTS), else by format.quantize_rows. The kernel compiles on its first call
+    (on the copier's thread); should that or a launch fail, this process quantizes with
+    PyTorch from then on, and says so once."""
+    global _kernel_failed
+    if not kernel_applies(rows):
         return format.quantize_rows(rows)
+    try:
+        return _quantize_rows_in_one_pass(rows)
+    except Exception as e:
+        _kernel_failed = repr(e)
+        logger.warning(f"hidden states dump: fp8 rows quantized with PyTorch from now on; the kernel failed: {e!r}")
+        return format.quantize_rows(rows)
+
+
+def kernel_applies(rows: torch.Tensor) -> bool:
+    row_len = rows.shape[-1] if rows.dim() else 0
+    return (triton is not None and _kernel_failed is None and rows.is_cuda and torch.version.hip is None
+            and torch.cuda.get_device_capability(rows.device) >= (8, 9) and 0 < row_len <= MAX_ROW_ELEMENTS)
+
+
+def _quantize_rows_in_one_pass(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    row_len = rows.shape[-1]
     rows = rows.contiguous()
     quantized = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=rows.device)
     scale = torch.empty(rows.shape[:-1], dtype=torch.float32, device=rows.device)
