@@ -155,6 +155,14 @@ def assert_dir_holds_exactly(dump_dir, lines, manifests=(MANIFEST_NAME,)) -> Non
     assert all(FILE_NAME.match(line["file"]) for line in lines)
 
 
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits, to compare exactly: fp8 has no equality, and float32 scales are
+    compared bit for bit (other dtypes as they are)."""
+    if tensor.dtype == torch.float8_e4m3fn:
+        return tensor.view(torch.uint8)
+    return tensor.view(torch.int32) if tensor.dtype == torch.float32 else tensor
+
+
 def prompt(first_token: int, length: int) -> List[int]:
     return list(range(first_token, first_token + length))
 

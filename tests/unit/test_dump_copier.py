@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sglang.srt.hidden_states_dump.copier import Landing, RowsCopier, row_slices
+from tests.unit.dump_standins import bits
 
 
 def test_row_slices_cover_the_rows_of_every_tensor_within_the_bound():
@@ -116,7 +117,6 @@ def test_fp8_rows_are_quantized_on_the_copiers_thread_into_the_layout_made_befor
     assert threads == ["hidden-states-dump-copier"] * 2
     expected = dump_format.quantize_file_rows(rows)
     assert set(targets) == set(expected)
-    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # fp8 has no equal
     for name, target in targets.items():
         assert target.dtype == expected[name].dtype and target.shape == expected[name].shape
         assert torch.equal(bits(target), bits(expected[name]))
