@@ -33,6 +33,7 @@ from sglang.srt.hidden_states_dump.format import (
 from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostBuffers
 from sglang.srt.hidden_states_dump.requests import DumpRequest
 from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
+from sglang.srt.hidden_states_dump.store_sink import StoreDumpWriter
 from sglang.srt.hidden_states_dump.startup_checks import (
     check_patches,
     check_server_args,
@@ -139,7 +140,11 @@ class HiddenStatesDumper:
             threads=config.writer_threads,
             manifest_name=manifest,
         )
-        if shared:
+        if config.sink == "mooncake":
+            self.writer = StoreDumpWriter(
+                config, metadata, host_buffers=self.host_buffers, dp_rank=dp_rank, manifest_name=manifest
+            )
+        elif shared:
             self.writer = ProcessDumpWriter(
                 config.dump_dir, metadata, host_buffers=self.host_buffers, **writer_options
             )
@@ -152,7 +157,7 @@ class HiddenStatesDumper:
             else ""
         )
         logger.info(
-            f"hidden states dump on: dir={config.dump_dir} manifest={manifest} "
+            f"hidden states dump on: dir={config.dump_dir} manifest={manifest} {sink_description(config)} "
             f"layers={self.layer_ids} (of L={metadata['num_layers']}) "
             f"encoding={metadata['encoding']} writer_threads={config.writer_threads} "
             f"writer_process={'on' if shared else 'off'} "
@@ -172,6 +177,7 @@ class HiddenStatesDumper:
         check_patches()
         num_layers = model_config.num_hidden_layers
         layer_ids = config.layer_ids(num_layers)
+        check_layers_for_layout(config, layer_ids, num_layers)
         check_dump_dir(config.dump_dir)
         # The model is being built under its own default dtype.
         metadata = file_metadata(
@@ -360,6 +366,29 @@ class HiddenStatesDumper:
             return self.writer.submit(request, partial.chunks)
         self._partials[request.rid] = partial
         return 0.0
+
+
+def sink_description(config: DumpConfig) -> str:
+    if config.sink != "mooncake":
+        return "sink=files"
+    return (
+        f"sink=mooncake layout={config.store_layout} store_id={config.store_id} "
+        f"master={config.mooncake.master_server_addr} protocol={config.mooncake.protocol}"
+    )
+
+
+def check_layers_for_layout(config: DumpConfig, layer_ids: List[int], num_layers: int) -> None:
+    """SpecForge's layout holds the draft's input, the EAGLE-3 layers side by side as SGLang
+    feeds them: in ascending order, and below L."""
+    if config.sink != "mooncake" or config.store_layout != "specforge":
+        return
+    if layer_ids != sorted(layer_ids) or num_layers in layer_ids:
+        raise ValueError(
+            f"SGLANG_HS_DUMP_LAYERS={','.join(map(str, layer_ids))} with "
+            f"SGLANG_HS_DUMP_SINK_LAYOUT=specforge: SpecForge's hidden_state is what the draft "
+            f"is fed, the EAGLE-3 layers in ascending order and below L={num_layers}; for "
+            f"layer L (speculators) use the hs-connectors layout."
+        )
 
 
 def dumped_rows(tensor: torch.Tensor, spans) -> torch.Tensor:

@@ -18,6 +18,14 @@ from sglang.srt.hidden_states_dump.format import TEMP_PREFIX
 # The encodings SGLANG_HS_DUMP_DTYPE picks (unset: the model's dtype, unconverted).
 DTYPES = ("bf16", "fp8")
 ON_FULL_QUEUE = ("block", "drop")
+# Where the rows go (SGLANG_HS_DUMP_SINK): files in the dump directory, or a Mooncake store,
+# in one of the layouts the field's online trainers read (SGLANG_HS_DUMP_SINK_LAYOUT).
+SINKS = ("files", "mooncake")
+STORE_LAYOUTS = ("specforge", "hs-connectors")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+SIZE_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "mib": 1 << 20,
+              "gb": 1 << 30, "gib": 1 << 30, "tb": 1 << 40, "tib": 1 << 40}
+HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-]+:[0-9]{1,5}$")
 MAX_WRITER_ID_LENGTH = 64
 DP_RANK_SUFFIX = re.compile(r"(?:^|-)dp[0-9]+$")  # a writer id must not read as a rank
 
@@ -54,6 +62,10 @@ class DumpConfig:
     writer_id: Optional[str] = None  # names this server's manifest in a shared directory
     host_memory_mb: int = 0  # host memory reserved for rows at startup; 0: sized from the server
     writer_process: bool = True  # files written by a process of their own (process_writer)
+    sink: str = "files"  # or "mooncake": the rows go to a Mooncake store, not to files
+    store_layout: str = "specforge"  # with the mooncake sink: whose layout the objects have
+    store_id: str = "sglang-hs"  # with the mooncake sink: the namespace of its keys
+    mooncake: Optional["MooncakeSettings"] = None  # with the mooncake sink
 
     @classmethod
     def from_env(cls) -> Optional["DumpConfig"]:
@@ -84,6 +96,20 @@ class DumpConfig:
         if drain_timeout_s < 0:
             raise ValueError("SGLANG_HS_DUMP_DRAIN_TIMEOUT_S must not be negative.")
         writer_process = envs.SGLANG_HS_DUMP_WRITER_PROCESS.get()
+        dtype = parse_dtype(envs.SGLANG_HS_DUMP_DTYPE.get())
+        sink = envs.SGLANG_HS_DUMP_SINK.get()
+        if sink not in SINKS:
+            raise ValueError(f"SGLANG_HS_DUMP_SINK={sink!r}: use one of {', '.join(SINKS)}.")
+        store_layout = envs.SGLANG_HS_DUMP_SINK_LAYOUT.get()
+        if store_layout not in STORE_LAYOUTS:
+            raise ValueError(
+                f"SGLANG_HS_DUMP_SINK_LAYOUT={store_layout!r}: use one of {', '.join(STORE_LAYOUTS)}."
+            )
+        store_id = envs.SGLANG_HS_DUMP_STORE_ID.get()
+        mooncake = None
+        if sink == "mooncake":
+            check_store_settings(store_layout, store_id, dtype, writer_process)
+            mooncake = MooncakeSettings.from_env()
         return cls(
             dump_dir=dump_dir,
             layers=envs.SGLANG_HS_DUMP_LAYERS.get(),
@@ -91,14 +117,102 @@ class DumpConfig:
             on_full_queue=on_full_queue,
             writer_threads=writer_threads or default_writer_threads(writer_process),
             drain_timeout_s=drain_timeout_s,
-            dtype=parse_dtype(envs.SGLANG_HS_DUMP_DTYPE.get()),
+            dtype=dtype,
             writer_id=parse_writer_id(envs.SGLANG_HS_DUMP_WRITER_ID.get()),
             host_memory_mb=host_memory_mb,
             writer_process=writer_process,
+            sink=sink,
+            store_layout=store_layout,
+            store_id=store_id,
+            mooncake=mooncake,
         )
 
     def layer_ids(self, num_layers: int) -> List[int]:
         return parse_layer_ids(self.layers, num_layers)
+
+
+def check_store_settings(store_layout: str, store_id: str, dtype: Optional[str], writer_process: bool) -> None:
+    if not store_id or "/" in store_id or not store_id.isprintable() or len(store_id) > MAX_WRITER_ID_LENGTH:
+        raise ValueError(
+            f"SGLANG_HS_DUMP_STORE_ID={store_id!r}: give a printable name of at most "
+            f"{MAX_WRITER_ID_LENGTH} characters without '/' (the first part of every key)."
+        )
+    if store_layout == "specforge" and dtype == "fp8":
+        raise ValueError(
+            "SGLANG_HS_DUMP_DTYPE=fp8 with SGLANG_HS_DUMP_SINK_LAYOUT=specforge: SpecForge's "
+            "layout has no place for fp8 scales and its reader allocates no fp8 tensors; use "
+            "bf16, or the hs-connectors layout, which keeps the scales."
+        )
+    if not writer_process:
+        raise ValueError(
+            "SGLANG_HS_DUMP_WRITER_PROCESS=0 with SGLANG_HS_DUMP_SINK=mooncake: the Mooncake "
+            "sink puts from the writer process; leave SGLANG_HS_DUMP_WRITER_PROCESS unset."
+        )
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """How the writer connects to a Mooncake store, from the MOONCAKE_* variables that
+    SpecForge's users already set (read here, once: they are Mooncake's names, not SGLang's,
+    so environ.py does not declare them). The defaults are SpecForge's, but for the global
+    segment: 0, the server lends the store no memory, so a server that dies takes no
+    published sample with it (the store's memory comes from its own mooncake_client)."""
+
+    master_server_addr: str = "localhost:50051"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    global_segment_size: int = 0
+    local_buffer_size: int = 1 << 30
+    rdma_devices: str = ""
+    local_hostname: str = "localhost"
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "MooncakeSettings":
+        defaults = cls()
+
+        def get(name: str, default) -> str:
+            value = environ.get(name)
+            return str(default) if value is None else value.strip()
+
+        master = get("MOONCAKE_MASTER_SERVER_ADDR", defaults.master_server_addr)
+        if not HOST_PORT.match(master) or not 0 < int(master.rsplit(":", 1)[1]) < 65536:
+            raise ValueError(
+                f"MOONCAKE_MASTER_SERVER_ADDR={master!r}: give the master's host:port "
+                f"(e.g. 10.0.0.1:50051)."
+            )
+        metadata = get("MOONCAKE_METADATA_SERVER", defaults.metadata_server)
+        if metadata != "P2PHANDSHAKE" and not re.match(r"^(http|etcd|redis)://\S+$", metadata):
+            raise ValueError(
+                f"MOONCAKE_METADATA_SERVER={metadata!r}: give P2PHANDSHAKE or a URL "
+                f"(http://host:port/metadata, etcd://host:port, redis://host:port)."
+            )
+        protocol = get("MOONCAKE_PROTOCOL", defaults.protocol).lower()
+        if protocol not in MOONCAKE_PROTOCOLS:
+            raise ValueError(f"MOONCAKE_PROTOCOL={protocol!r}: use one of {', '.join(MOONCAKE_PROTOCOLS)}.")
+        hostname = get("MOONCAKE_LOCAL_HOSTNAME", defaults.local_hostname)
+        if not hostname or any(c.isspace() for c in hostname):
+            raise ValueError(f"MOONCAKE_LOCAL_HOSTNAME={hostname!r}: give this host's name or address.")
+        return cls(
+            master_server_addr=master,
+            metadata_server=metadata,
+            protocol=protocol,
+            global_segment_size=parse_size(
+                "MOONCAKE_GLOBAL_SEGMENT_SIZE", get("MOONCAKE_GLOBAL_SEGMENT_SIZE", defaults.global_segment_size)
+            ),
+            local_buffer_size=parse_size(
+                "MOONCAKE_LOCAL_BUFFER_SIZE", get("MOONCAKE_LOCAL_BUFFER_SIZE", defaults.local_buffer_size)
+            ),
+            rdma_devices=get("MOONCAKE_RDMA_DEVICES", defaults.rdma_devices),
+            local_hostname=hostname,
+        )
+
+
+def parse_size(name: str, value: str) -> int:
+    """Bytes, as an integer or with a unit (KB, MB, GB, TB; binary, as Mooncake takes them)."""
+    match = re.match(r"^([0-9]+)\s*([A-Za-z]*)$", value.strip())
+    if not match or match.group(2).lower() not in SIZE_UNITS:
+        raise ValueError(f"{name}={value!r}: give a size in bytes, e.g. 1073741824 or 1GB.")
+    return int(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
 
 
 def default_layer_ids(num_layers: int) -> List[int]:

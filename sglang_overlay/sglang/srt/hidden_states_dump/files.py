@@ -155,7 +155,9 @@ def remove_quietly(path: str) -> None:
 # rows are read from; ("forget", id): no job to come reads that segment; ("job", sequence,
 # name, [header bytes or (segment id, offset, length), ...], manifest line): a file; ("skip",
 # sequence): a job that failed before it was sent, whose turn passes. From it:
-# ("written", sequence, size, seconds) and ("failed", sequence, error text).
+# ("ready",) once, first: it takes jobs; or ("unusable", reason) and it exits (a store it
+# cannot reach); then ("written", sequence, size, seconds), ("failed", sequence, error
+# text) and ("dropped", sequence, why): a job dropped under `drop`, not an error.
 MAX_MESSAGE_BYTES = 1 << 20
 PR_SET_PDEATHSIG = 1
 
@@ -163,7 +165,8 @@ PR_SET_PDEATHSIG = 1
 class WriterProcess:
     """Reads jobs from the scheduler's socket, writes them on `threads` threads and
     publishes them in their sequence's order, answering each. Ends once the socket is
-    closed and every job taken is answered."""
+    closed and every job taken is answered. Its sink is files; another sink (a store)
+    overrides `take`, `write` and `publish`."""
 
     def __init__(self, sock: socket.socket, dump_dir: str, manifest_name: str, threads: int):
         self.sock = sock
@@ -191,16 +194,12 @@ class WriterProcess:
             elif kind == "forget":
                 self.segments.pop(message[1], None)
             elif kind == "job":
-                _, sequence, name, parts, line = message
                 try:
-                    # Views taken now: a segment forgotten later stays mapped until they go.
-                    buffers = [part if isinstance(part, bytes) else
-                               memoryview(self.segments[part[0]])[part[1] : part[1] + part[2]]
-                               for part in parts]
+                    job = self.take(message)
                 except KeyError as e:
-                    self._failed(sequence, f"no shared memory segment {e}")
+                    self._failed(message[1], f"no shared memory segment {e}")
                     continue
-                self.jobs.put((sequence, name, buffers, line))
+                self.jobs.put((message[1], job))
             elif kind == "skip":
                 self.in_order.finish(message[1], lambda: None)
         for _ in self.threads:
@@ -208,41 +207,71 @@ class WriterProcess:
         for thread in self.threads:
             thread.join()
 
+    def view(self, part) -> memoryview:
+        """The bytes a job's part names: (segment id, offset, length) in shared memory.
+        Views are taken when the job arrives: a segment forgotten later stays mapped until
+        they go."""
+        segment_id, offset, length = part
+        return memoryview(self.segments[segment_id])[offset : offset + length]
+
+    def take(self, message: tuple):
+        """A job message's work: ("job", sequence, name, [header bytes or (segment id,
+        offset, length), ...], manifest line)."""
+        _, _, name, parts, line = message
+        return name, [part if isinstance(part, bytes) else self.view(part) for part in parts], line
+
+    def write(self, job) -> tuple:
+        """Write a job's file under its temporary name (on a writer thread)."""
+        name, buffers, line = job
+        temp_path, fd, size = write_temp_file(self.dump_dir, name, buffers)
+        return name, temp_path, fd, size, line
+
+    def publish(self, written) -> int:
+        """In the job's turn: rename its file and append its manifest line; its size."""
+        name, temp_path, fd, size, line = written
+        try:
+            publish_file(self.dump_dir, self.manifest_name, name, temp_path, line)
+        finally:
+            os.close(fd)
+        return size
+
     def _write(self) -> None:
         while True:
             job = self.jobs.get()
             if job is None:
                 return
-            sequence, name, buffers, line = job
+            sequence, work = job
             started = time.perf_counter()
             try:
-                temp_path, fd, size = write_temp_file(self.dump_dir, name, buffers)
+                written = self.write(work)
             except Exception as e:
-                self._failed(sequence, repr(e))
+                self.not_written(sequence, e)
                 continue
             finally:
-                del job, buffers
-            written = (sequence, name, temp_path, fd, size, line, time.perf_counter() - started)
-            self.in_order.finish(sequence, partial(self._publish, *written))
+                del job, work
+            write_ms = time.perf_counter() - started
+            self.in_order.finish(sequence, partial(self._publish, sequence, written, write_ms))
 
-    def _failed(self, sequence: int, error: str) -> None:
-        """Answer that a job failed before its file was written; its turn passes."""
-        self._answer(("failed", sequence, error))
+    def not_written(self, sequence: int, error: Exception) -> None:
+        """Answer a job whose write raised `error`; its turn passes."""
+        self._failed(sequence, repr(error))
+
+    def _failed(self, sequence: int, error: str, kind: str = "failed") -> None:
+        """Answer that a job failed (or was dropped) before it was written; its turn passes."""
+        self.answer((kind, sequence, error))
         self.in_order.finish(sequence, lambda: None)
 
-    def _publish(self, sequence, name, temp_path, fd, size, line, write_ms) -> None:
+    def _publish(self, sequence: int, written, write_ms: float) -> None:
         started = time.perf_counter()
         try:
-            publish_file(self.dump_dir, self.manifest_name, name, temp_path, line)
+            size = self.publish(written)
         except Exception as e:
-            self._answer(("failed", sequence, repr(e)))
+            self.answer(("failed", sequence, repr(e)))
         else:
             seconds = dict(write_ms=write_ms, manifest_ms=time.perf_counter() - started)
-            self._answer(("written", sequence, size, seconds))
-        finally:
-            os.close(fd)
+            self.answer(("written", sequence, size, seconds))
 
-    def _answer(self, message: tuple) -> None:
+    def answer(self, message: tuple) -> None:
         with self._send_lock:
             try:
                 self.sock.sendall(pickle.dumps(message))
@@ -271,8 +300,9 @@ def main(argv: List[str]) -> int:
     # then closes the socket: that is when this process ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sock = socket.socket(fileno=int(fd))
-    WriterProcess(sock, dump_dir, manifest_name, int(threads)).run()
+    writer = WriterProcess(socket.socket(fileno=int(fd)), dump_dir, manifest_name, int(threads))
+    writer.answer(("ready",))
+    writer.run()
     return 0
 
 

@@ -343,6 +343,7 @@ class DumpCounters(LogLine):
     dropped: int = 0
     discarded: int = 0
     host_overflows: int = 0  # forwards whose rows found no room in the host reserve
+    store_full: int = 0  # samples that waited for room in a full Mooncake store
 
 
 @dataclass(frozen=True)

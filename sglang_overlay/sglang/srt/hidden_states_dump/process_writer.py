@@ -25,6 +25,10 @@ from sglang.srt.hidden_states_dump.writer import DumpWriter, WriteJob
 
 logger = logging.getLogger(__name__)
 
+# How long a writer process may take to answer that it can take jobs (a store sink
+# connects to its store first).
+WRITER_PROCESS_START_TIMEOUT_S = 120.0
+
 
 class ProcessDumpWriter(DumpWriter):
     """A DumpWriter whose `threads` writer threads run in a writer process. At most twice
@@ -42,8 +46,9 @@ class ProcessDumpWriter(DumpWriter):
         self._lock = threading.Lock()
         self._gone: Optional[str] = None  # why the writer process is gone
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        command = [sys.executable, "-I", "-S", files.__file__, str(theirs.fileno()), dump_dir,
-                   manifest_name, str(threads), str(os.getpid())]
+        # Answered by the writer process once it can take jobs (a store sink: connected).
+        self._ready: "Future[None]" = Future()
+        command = self.command(theirs.fileno(), dump_dir, manifest_name, threads)
         # The answers thread starts the writer process: Linux sends the parent-death signal
         # when the *thread* that started a child ends, and this one lives as long as the
         # writer process matters, where the thread building the dumper may end first.
@@ -52,8 +57,15 @@ class ProcessDumpWriter(DumpWriter):
                          name="hidden-states-dump-answers", daemon=True).start()
         try:
             self.process = started.result()
-        except BaseException:
+            self._ready.result(WRITER_PROCESS_START_TIMEOUT_S)
+        except BaseException as e:
             self._socket.close()
+            if isinstance(e, TimeoutError):
+                self.process.kill()
+                raise ValueError(
+                    f"hidden states dump: the writer process did not start within "
+                    f"{WRITER_PROCESS_START_TIMEOUT_S:g} s"
+                )
             raise
         host_buffers.on_segment = self._send_segment
         host_buffers.on_forget = lambda segment_id: self._send(("forget", segment_id))
@@ -62,6 +74,20 @@ class ProcessDumpWriter(DumpWriter):
         super().__init__(dump_dir, metadata, queue_size=queue_size, on_full_queue=on_full_queue,
                          threads=1, manifest_name=manifest_name)
         logger.info(f"hidden states dump: files written by writer process {self.process.pid}")
+
+    def command(self, fd: int, dump_dir: str, manifest_name: str, threads: int) -> List[str]:
+        """The writer process's command line: files.py as a script, on the standard
+        library alone."""
+        return [sys.executable, "-I", "-S", files.__file__, str(fd), dump_dir, manifest_name,
+                str(threads), str(os.getpid())]
+
+    def job_message(self, job: WriteJob, contents) -> tuple:
+        """What the writer process is sent for one job whose rows have landed."""
+        parts = [contents.header] + [
+            (*self.host_buffers.segment_of(tensor), tensor.numel() * tensor.element_size())
+            for tensor in contents.tensors if tensor.numel()
+        ]
+        return ("job", job.sequence, contents.name, parts, contents.line)
 
     def stop(self, timeout: Optional[float] = None) -> None:
         """End the writer process once it has answered what it holds (call after drain);
@@ -81,11 +107,7 @@ class ProcessDumpWriter(DumpWriter):
             job = self.queue.get()
             try:
                 contents = self.file_contents(job)
-                parts = [contents.header] + [
-                    (*self.host_buffers.segment_of(tensor), tensor.numel() * tensor.element_size())
-                    for tensor in contents.tensors if tensor.numel()
-                ]
-                message = ("job", job.sequence, contents.name, parts, contents.line)
+                message = self.job_message(job, contents)
             except Exception as e:
                 self._failed(job.request.rid, e)
                 self._send(("skip", job.sequence))  # its turn passes
@@ -119,13 +141,25 @@ class ProcessDumpWriter(DumpWriter):
         with self._lock:
             self._gone = f"the writer process exited (status {code})"
             sequences = list(self._in_flight)
+        if not self._ready.done():
+            self._ready.set_exception(ValueError(f"hidden states dump: {self._gone} before it started"))
         if sequences:
             logger.error(f"hidden states dump: {self._gone} with {len(sequences)} files unwritten")
         for sequence in sequences:
             self._answered(("failed", sequence, self._gone))
 
     def _answered(self, message: tuple) -> None:
-        kind, sequence = message[:2]
+        kind = message[0]
+        if kind == "ready":
+            self._ready.set_result(None)
+            return
+        if kind == "unusable":
+            self._ready.set_exception(ValueError(message[1]))
+            return
+        if kind == "store-full":  # a job waits for room in the store; answered later
+            self.stats.add(store_full=1)
+            return
+        sequence = message[1]
         with self._lock:
             entry = self._in_flight.pop(sequence, None)
         if entry is None:
@@ -136,6 +170,9 @@ class ProcessDumpWriter(DumpWriter):
         if kind == "written":
             size, seconds = message[2:]
             self.stats.add(dict(seconds, copy_wait_ms=copy_wait), files=1, tokens=num_tokens, bytes=size)
+        elif kind == "dropped":
+            logger.warning(f"hidden states dump: dropped request {rid!r}: {message[2]}")
+            self.stats.add(dropped=1)
         else:
             self._failed_as(rid, message[2])
         self._room.release()

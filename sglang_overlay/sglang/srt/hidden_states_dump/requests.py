@@ -4,12 +4,15 @@ With dumping off every helper here returns after one cached bool check.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from sglang.srt.hidden_states_dump.config import dump_enabled
 
 # Requests the server sends itself (startup warmup, /health_generate) are never dumped.
 INTERNAL_RID_PREFIXES = ("WARMUP_", "HEALTH_CHECK")
+# The key of a request's sampling_params.custom_params that gives its prompt's loss mask,
+# run-length encoded (zeros, ones, zeros, ...), for the sinks whose layout holds one.
+LOSS_MASK_PARAM = "hidden_states_dump_loss_mask"
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,7 @@ class DumpRequest:
 
     rid: str
     prompt_len: int
+    loss_mask_runs: Optional[Tuple[int, ...]] = None  # None: every prompt token
 
 
 def wants_dump(req) -> bool:
@@ -48,9 +52,19 @@ def requests_to_dump(reqs) -> Optional[List[Optional[DumpRequest]]]:
     if not dump_enabled():
         return None
     return [
-        DumpRequest(req.rid, len(req.origin_input_ids)) if wants_dump(req) else None
+        DumpRequest(req.rid, len(req.origin_input_ids), loss_mask_runs(req)) if wants_dump(req) else None
         for req in reqs
     ]
+
+
+def loss_mask_runs(req) -> Optional[Tuple[int, ...]]:
+    """The loss mask the client gave with the request (LOSS_MASK_PARAM), as it gave it; the
+    writer checks it against the prompt, off the scheduler thread."""
+    custom_params = getattr(req.sampling_params, "custom_params", None)
+    if not isinstance(custom_params, dict):
+        return None
+    runs = custom_params.get(LOSS_MASK_PARAM)
+    return tuple(runs) if isinstance(runs, (list, tuple)) else None
 
 
 def holds_dumped_request(requests: Optional[List[Optional[DumpRequest]]]) -> bool:

@@ -50,7 +50,8 @@ class FileContents:
 
     name: str
     header: bytes
-    tensors: List[torch.Tensor]  # views of the host rows, in file order
+    parts: Dict[str, List[torch.Tensor]]  # each tensor's chunks: views of the host rows
+    tensors: List[torch.Tensor]  # the same views, in file order
     line: str  # its manifest line
     num_tokens: int
     copy_wait: float  # seconds the rows took to land
@@ -96,7 +97,7 @@ class DumpWriter:
         self.on_full_queue = on_full_queue
         self.metadata = metadata
         self.stats = DumpStats()
-        self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self.run_id = new_run_id()
         self.sequence = 0  # of the next job submitted; only the scheduler submits
         self.in_order = InOrder()
         self.queue: "queue.Queue[WriteJob]" = queue.Queue(maxsize=queue_size)
@@ -195,7 +196,7 @@ class DumpWriter:
             job.request.rid, name, num_tokens, self.metadata, parts["hidden_states"][0]
         )
         tensors = [part for tensors in parts.values() for part in tensors]
-        return FileContents(name, header, tensors, json.dumps(entry), num_tokens, copied - started)
+        return FileContents(name, header, parts, tensors, json.dumps(entry), num_tokens, copied - started)
 
     def write_file(self, job: WriteJob) -> WrittenFile:
         """Write one job's file under its temporary name (on a writer thread); `_publish`
@@ -228,6 +229,11 @@ class DumpWriter:
         finally:
             os.close(written.fd)
             self.queue.task_done()
+
+
+def new_run_id() -> str:
+    """A writer's run: when it started, and enough randomness that no two runs share one."""
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
 
 def file_name(run_id: str, sequence: int) -> str:
