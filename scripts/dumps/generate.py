@@ -47,9 +47,16 @@ from scripts.dumps.conversations import Rejected, Sample, open_dataset, read_sam
 from scripts.dumps.progress import human_bytes, progress_bar
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, AppendOnlyLines, read_lines, samples_line
 from scripts.dumps.server import Server, has_gpu, runtime_env
+from scripts.online.stream import CLOSED_MARKER, acknowledged_count
+from scripts.dumps.samples import mask_runs
 from scripts.toolchain.errors import USAGE, ToolError
 
 SERVER_LOG = "server.log"
+# requests.LOSS_MASK_PARAM: the custom parameter a dumping server reads a loss mask from.
+LOSS_MASK_PARAM = "hidden_states_dump_loss_mask"
+# SpecForge's channel file in a store sink's control directory (store_layouts.REF_CHANNEL)
+# and the sidecars its consumer and producer keep beside it.
+REF_CHANNEL = "refs.jsonl"
 RETRYABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
 
 
@@ -91,10 +98,15 @@ class DumpingServer(Server):
     the CPU with SGLang's CPU path and the tests' memory sizes, then the user's arguments
     (later ones win)."""
 
-    def __init__(self, model: Path, out: Path, layers: Optional[str], server_args: List[str]):
+    def __init__(self, model: Path, out: Path, layers: Optional[str], server_args: List[str], sink: str = "files",
+                 sink_layout: Optional[str] = None):
         dump_env = {"SGLANG_HS_DUMP_DIR": str(out)}
         if layers:
             dump_env["SGLANG_HS_DUMP_LAYERS"] = layers
+        if sink != "files":  # the MOONCAKE_* settings come from this command's environment
+            dump_env["SGLANG_HS_DUMP_SINK"] = sink
+        if sink_layout:
+            dump_env["SGLANG_HS_DUMP_SINK_LAYOUT"] = sink_layout
         env = runtime_env(**dump_env) if "SGLANG_CHECKOUT" in os.environ else {**os.environ, **dump_env}
         super().__init__(model, out / SERVER_LOG, env, server_args, defaults=[] if has_gpu() else None,
                          cwd=None, tied_to_parent=True)
@@ -160,8 +172,11 @@ class Generation:
     to the others."""
 
     def __init__(self, endpoints: List[Endpoint], out: Path, encoder: ChatEncoder, max_tokens: Optional[int],
-                 max_tokens_why: str, concurrency: int, retries: int, manifest_timeout: float):
+                 max_tokens_why: str, concurrency: int, retries: int, manifest_timeout: float,
+                 max_unconsumed: Optional[int] = None):
         self.endpoints, self.out, self.encoder = endpoints, out, encoder
+        # With a store sink: samples the store may hold that no trainer has acknowledged.
+        self.max_unconsumed = max_unconsumed
         self.max_tokens, self.max_tokens_why = max_tokens, max_tokens_why
         self.concurrency, self.retries, self.manifest_timeout = concurrency, retries, manifest_timeout
         self.done = {entry["rid"] for entry in read_lines(out / SAMPLES_NAME)}
@@ -205,10 +220,13 @@ class Generation:
             self.tally.tokens += entry["num_tokens"]
             prepared.sent_to.dumped += 1
             prepared.sent_to.tokens += entry["num_tokens"]
-            try:
-                self.tally.bytes += os.path.getsize(self.out / entry["file"])
-            except OSError:
-                pass
+            if "bytes" in entry:  # in a store
+                self.tally.bytes += entry["bytes"]
+            else:
+                try:
+                    self.tally.bytes += os.path.getsize(self.out / entry["file"])
+                except OSError:
+                    pass
         else:
             self.tally.completed += 1
         self._advance()
@@ -255,8 +273,10 @@ class Generation:
     def _send(self, prepared: Prepared, endpoint: Endpoint) -> Optional[Rejected]:
         """None once the server answered (or any server dumped it); the Rejected the
         server's refusal makes; raises _Unanswered when every attempt failed."""
+        # The loss mask rides along for a store's layout, which holds it with the rows.
         body = {"input_ids": prepared.input_ids, "rid": prepared.rid,
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0,
+                                    "custom_params": {LOSS_MASK_PARAM: mask_runs(prepared.loss_mask)}}}
         delay, error = 1.0, None
         for attempt in range(self.retries + 1):
             if prepared.rid in self.dumped:  # dumped, its answer lost with a broken connection
@@ -334,12 +354,21 @@ class Generation:
                 self._fail(prepared, why_not)
                 return
             endpoint = min(live, key=lambda e: e.in_flight)
-            if endpoint.in_flight < self.concurrency:
+            if endpoint.in_flight < self.concurrency and not self._store_at_limit():
                 break
             self._collect(timeout=0.05)
         prepared.sent_to = endpoint
         endpoint.in_flight += 1
         self.in_flight[pool.submit(self._send, prepared, endpoint)] = prepared
+
+    def _store_at_limit(self) -> bool:
+        """Whether the store holds --max-unconsumed samples no trainer has acknowledged
+        (HiddenStatesStream's acknowledgement logs, or SpecForge's consumed count)."""
+        if self.max_unconsumed is None:
+            return False
+        self._poll_manifest()
+        consumed = max(acknowledged_count(self.out), specforge_consumed_count(self.out))
+        return len(self.manifest.entries) - consumed >= self.max_unconsumed
 
     def _resend_dropped(self, pool: ThreadPoolExecutor) -> None:
         while self.resend:
@@ -407,6 +436,21 @@ class Generation:
             self._poll_manifest()
 
 
+def specforge_consumed_count(out: Path) -> int:
+    """How many refs SpecForge's consumer reports consumed (StreamingRefChannel.mark_consumed)."""
+    try:
+        return int((out / f"{REF_CHANNEL}.consumed_count").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def close_store_channels(out: Path) -> None:
+    """Tell the trainers no sample is to come: HiddenStatesStream's closed marker and
+    SpecForge's channel sentinel (StreamingRefChannel.close)."""
+    for marker in (out / CLOSED_MARKER, out / f"{REF_CHANNEL}.closed"):
+        marker.touch()
+
+
 class _Unanswered(Exception):
     """A sample every attempt of which failed."""
 
@@ -451,6 +495,14 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=5, help="retries of a request on connection errors (default 5)")
     parser.add_argument("--manifest-timeout", type=float, default=120.0,
                         help="seconds to wait after the last answer for the manifest to list every file (default 120)")
+    parser.add_argument("--sink", choices=("files", "mooncake"), default="files",
+                        help="where the server this command starts puts the rows: files in --out (default), or a "
+                             "Mooncake store (MOONCAKE_* from this environment), --out holding only manifests")
+    parser.add_argument("--sink-layout", choices=("specforge", "hs-connectors"),
+                        help="with --sink mooncake: the trainers' layout (default specforge)")
+    parser.add_argument("--max-unconsumed", type=int, default=256,
+                        help="with --sink mooncake (or servers that put into a store): stop feeding while the store "
+                             "holds this many samples no trainer has acknowledged (default 256)")
     parser.add_argument("--server-timeout", type=float, default=1800.0, help="seconds the started server has to get ready")
     own, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
@@ -487,7 +539,8 @@ def generate(args: argparse.Namespace) -> int:
         if args.server:
             endpoints = [Endpoint(Client(url)) for url in args.server]
         else:
-            server = DumpingServer(args.model, args.out, args.dump_layers, args.server_args).start()
+            server = DumpingServer(args.model, args.out, args.dump_layers, args.server_args, args.sink,
+                                   args.sink_layout).start()
             print(f"starting the server on {args.model} (log: {server.log_path}) ...", file=sys.stderr)
             server.wait_ready(args.server_timeout)
             endpoints = [Endpoint(Client(server.url), server)]
@@ -500,8 +553,10 @@ def generate(args: argparse.Namespace) -> int:
               f"longest prompt: {max_tokens} tokens", file=sys.stderr)
         started = time.monotonic()
         generation = Generation(endpoints, args.out, encoder, max_tokens, why, args.concurrency, args.retries,
-                                args.manifest_timeout)
+                                args.manifest_timeout, args.max_unconsumed if args.sink == "mooncake" else None)
         tally = generation.run(dataset, args.limit)
+        if args.sink == "mooncake" and tally.complete:
+            close_store_channels(args.out)
         seconds = time.monotonic() - started
         server_exit = server.exited() if server is not None else None
     finally:

@@ -41,6 +41,7 @@ OBJECT_NOT_FOUND = -704
 STORE_FULL_FIRST_WAIT_S = 0.005
 STORE_FULL_LONGEST_WAIT_S = 0.5
 STAGING_GRANULE = 64 << 20
+REACH_TIMEOUT_S = 10.0
 
 
 class StoreFull(Exception):
@@ -84,11 +85,31 @@ def checked(key: str, status) -> int:
     return status
 
 
+def reachable(address: str) -> Optional[str]:
+    """Why nothing answers TCP at host:port (None: something does)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as e:
+        return f"nothing answers at {address} ({e})"
+    return None
+
+
 def connect(settings: dict):
     """A Mooncake client set up with the sink's settings (config.MooncakeSettings), and the
     ReplicateConfig of every put; ValueError saying what failed."""
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
+    # Mooncake's setup retries an absent master for minutes; a refused connection says it
+    # at once.
+    metadata = settings["metadata_server"]
+    addresses = [("MOONCAKE_MASTER_SERVER_ADDR", settings["master_server_addr"])]
+    if metadata.startswith("http://"):
+        addresses.append(("MOONCAKE_METADATA_SERVER", metadata[len("http://"):].split("/", 1)[0]))
+    for name, address in addresses:
+        problem = reachable(address)
+        if problem:
+            raise ValueError(f"hidden states dump: cannot connect to the Mooncake store ({name}={address}): {problem}")
     store = MooncakeDistributedStore()
     try:
         status = store.setup(

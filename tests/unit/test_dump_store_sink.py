@@ -1,0 +1,229 @@
+"""The Mooncake sink against a real mooncake_master over TCP: what it puts equals what the
+file sink writes, bit for bit, and the trainers' own readers read it (SpecForge's
+MooncakeFeatureStore and StreamingRefChannel, hs-connectors' get_sample); a full store is
+waited out and nothing is evicted; no store, a clear error at startup."""
+
+import os
+import time
+from unittest import mock
+
+import pytest
+import torch
+
+from sglang.srt.hidden_states_dump.config import DumpConfig, MooncakeSettings
+from sglang.srt.hidden_states_dump.format import load_dump, read_manifest
+from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.hidden_states_dump.store_layouts import REF_CHANNEL
+from tests.unit.dump_standins import (
+    bits,
+    prompt,
+    run_forward,
+    start_dumper,
+    stats,
+    wait_for_manifest,
+    wait_for_stats,
+)
+
+mooncake_store = pytest.importorskip("mooncake.store")
+from scripts.online.master import MooncakeMaster  # noqa: E402
+
+LAYERS = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    with MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log", segment_size=256 << 20) as running:
+        yield running
+
+
+@pytest.fixture
+def small_master(tmp_path):
+    """A store of 32 MiB, which a few samples fill."""
+    with MooncakeMaster(tmp_path / "small-master.log", segment_size=32 << 20) as running:
+        yield running
+
+
+@pytest.fixture
+def store_env(master, monkeypatch):
+    """The server's environment for the Mooncake sink, as its processes see it."""
+
+    def set_env(layout, store=master, **extra):
+        for name, value in {**store.env(), "SGLANG_HS_DUMP_SINK": "mooncake",
+                            "SGLANG_HS_DUMP_SINK_LAYOUT": layout, "MOONCAKE_LOCAL_BUFFER_SIZE": "64MB",
+                            **extra}.items():
+            monkeypatch.setenv(name, value)
+
+    return set_env
+
+
+def client(master):
+    """A trainer's Mooncake client, lending the store no memory."""
+    store = mooncake_store.MooncakeDistributedStore()
+    env = master.env()
+    assert store.setup(env["MOONCAKE_LOCAL_HOSTNAME"], env["MOONCAKE_METADATA_SERVER"], 0, 64 << 20, "tcp", "",
+                       env["MOONCAKE_MASTER_SERVER_ADDR"]) == 0
+    return store
+
+
+def feed(dumper):
+    """Two requests, one of them prefilled in two chunks; the first with a loss mask."""
+    run_forward(dumper, [(DumpRequest("a", 5, (2, 3)), prompt(100, 5), 0), (DumpRequest("b", 7), prompt(200, 4), 0)])
+    run_forward(dumper, [(DumpRequest("b", 7), prompt(204, 3), 4)])
+
+
+def file_dump(tmp_path, dtype=None):
+    """The same requests through the file sink."""
+    files_dir = tmp_path / "files"
+    files_dir.mkdir()
+    dumper = start_dumper(files_dir, LAYERS, dtype=dtype)
+    feed(dumper)
+    lines = wait_for_manifest(files_dir, ["a", "b"])
+    return {line["rid"]: load_dump(os.path.join(files_dir, line["file"]), raw=True) for line in lines}
+
+
+def test_specforge_layout_equals_the_file_sink_and_specforge_reads_it(tmp_path, master, store_env):
+    from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+    from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
+
+    expected = file_dump(tmp_path)
+    store_env("specforge", SGLANG_HS_DUMP_STORE_ID="unit-specforge")
+    control = tmp_path / "control"
+    control.mkdir()
+    dumper = start_dumper(control, LAYERS)
+    feed(dumper)
+    wait_for_stats(dumper, lambda counters: counters["files"] == 2)
+    lines = {line["rid"]: line for line in read_manifest(str(control))}
+    assert sorted(os.listdir(control)) == ["manifest.jsonl", REF_CHANNEL]  # no rows on disk
+
+    refs = StreamingRefChannel(str(control / REF_CHANNEL)).poll()
+    assert [ref.source_task_id for ref in refs] == ["a", "b"]
+    env = master.env()
+    features = MooncakeFeatureStore(store_id="unit-specforge", setup_kwargs=dict(
+        local_hostname=env["MOONCAKE_LOCAL_HOSTNAME"], metadata_server=env["MOONCAKE_METADATA_SERVER"],
+        master_server_addr=env["MOONCAKE_MASTER_SERVER_ADDR"], global_segment_size=0, local_buffer_size=64 << 20))
+    for ref in refs:
+        rid = ref.source_task_id
+        record = expected[rid]
+        tensors, _ = features.get(ref)
+        num_tokens = record.token_ids.numel()
+        assert lines[rid]["sample_id"] == ref.sample_id and lines[rid]["num_tokens"] == num_tokens
+        assert torch.equal(tensors["input_ids"], record.token_ids[None])
+        assert torch.equal(tensors["hidden_state"], record.hidden_states.reshape(1, num_tokens, -1))
+        assert torch.equal(tensors["target"], record.last_hidden_state[None])
+        assert torch.equal(tensors["attention_mask"], torch.ones(1, num_tokens, dtype=torch.int64))
+        mask = [0, 0, 1, 1, 1] if rid == "a" else [1] * 7
+        assert tensors["loss_mask"].tolist() == [mask]
+
+
+@pytest.mark.parametrize("dtype", [None, "fp8"])
+def test_hs_connectors_layout_equals_the_file_sink_and_get_sample_reads_it(tmp_path, master, store_env, dtype):
+    from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+
+    expected = file_dump(tmp_path, dtype)
+    store_env("hs-connectors")
+    control = tmp_path / "control"
+    control.mkdir()
+    dumper = start_dumper(control, LAYERS, dtype=dtype)
+    feed(dumper)
+    wait_for_stats(dumper, lambda counters: counters["files"] == 2)
+    env = master.env()
+    reader = MooncakeHiddenStatesStore(MooncakeStoreConfig(
+        local_hostname=env["MOONCAKE_LOCAL_HOSTNAME"], metadata_server=env["MOONCAKE_METADATA_SERVER"],
+        master_server_address=env["MOONCAKE_MASTER_SERVER_ADDR"], global_segment_size=0,
+        local_buffer_size=64 << 20)).setup()
+    names = ["token_ids", "hidden_states", "last_hidden_state"]
+    names += ["hidden_states_scale", "last_hidden_state_scale"] if dtype else []
+    for line in read_manifest(str(control)):
+        assert line["sink"] == "mooncake" and "file" not in line
+        sample = reader.get_sample(line["transfer_manifest"], timeout=10)
+        record = expected[line["rid"]]
+        for name in names:
+            assert torch.equal(bits(sample[name]), bits(getattr(record, name))), name
+        mask = [0, 0, 1, 1, 1] if line["rid"] == "a" else [1] * 7
+        assert sample["loss_mask"].tolist() == mask
+        reader.delete_sample(line["transfer_manifest"]["handle"])
+
+
+def test_a_full_store_is_waited_out_and_nothing_is_evicted(tmp_path, small_master, store_env):
+    """Objects hard-pinned: with the store full the writer waits (block); once the trainer
+    removes what it read, every sample lands, none lost."""
+    store_env("hs-connectors", store=small_master)
+    control = tmp_path / "control"
+    control.mkdir()
+    dumper = start_dumper(control, LAYERS, reserve_bytes=128 << 20)
+    # About 1.4 MB a sample: a few dozen fill the store.
+    rids = [f"big{i}" for i in range(100)]
+    for i, rid in enumerate(rids):
+        run_forward(dumper, [(DumpRequest(rid, 20_000), prompt(10_000 + 20_000 * i, 20_000), 0)])
+        if stats(dumper)["store_full"]:
+            break
+    assert stats(dumper)["store_full"], "100 samples of 1.4 MB fit a 32 MiB store"
+    # Nothing else lands while the store is full.
+    waited = wait_for_stats(dumper, lambda counters: counters["files"] + counters["store_full"] == i + 1)
+    published = read_manifest(str(control))
+    assert waited["files"] == len(published) < i + 1  # the rest wait for room
+    reader = client(small_master)
+    for line in published:  # nothing evicted while full: every published sample is whole
+        assert reader.get_size(line["transfer_manifest"]["handle"]) == line["bytes"]
+    for line in published:
+        assert reader.remove(line["transfer_manifest"]["handle"], force=True) == 0
+    done = wait_for_stats(dumper, lambda counters: counters["files"] == i + 1)
+    assert done["dropped"] == done["errors"] == 0
+    lines = read_manifest(str(control))
+    assert [line["rid"] for line in lines] == rids[: i + 1]
+    for line in lines[len(published):]:
+        assert reader.get_size(line["transfer_manifest"]["handle"]) == line["bytes"]
+        reader.remove(line["transfer_manifest"]["handle"], force=True)
+
+
+def test_unpinned_objects_are_evicted_when_the_store_fills(small_master):
+    """The negative control: what a put without a hard pin (hs-connectors' own default)
+    risks. Filling the store with unpinned objects loses some of them, silently, within
+    about a second of the first put the store refuses."""
+    store = client(small_master)
+    config = mooncake_store.ReplicateConfig()
+    config.replica_num = 1
+    data = bytes(2 << 20)
+    keys = [f"unit-unpinned/{i}" for i in range(40)]
+    stored = [key for key in keys if store.put(key, data, config) == 0]
+    assert len(stored) < len(keys), "40 puts of 2 MiB into a 32 MiB store all succeeded"
+    deadline = time.monotonic() + 10
+    while not (lost := [key for key in stored if store.get_size(key) < 0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost, f"{len(stored)} unpinned objects filled the store, none evicted within 10 s"
+
+
+def test_no_store_is_a_clear_error_at_startup(tmp_path, store_env):
+    store_env("specforge", MOONCAKE_MASTER_SERVER_ADDR="127.0.0.1:9")  # nothing listens there
+    control = tmp_path / "control"
+    control.mkdir()
+    with pytest.raises(ValueError, match=r"cannot connect to the Mooncake store \(MOONCAKE_MASTER_SERVER_ADDR=127.0.0.1:9"):
+        start_dumper(control, LAYERS)
+    assert os.listdir(control) == []
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("MOONCAKE_MASTER_SERVER_ADDR", "localhost", "give the master's host:port"),
+    ("MOONCAKE_PROTOCOL", "udp", "use one of tcp, rdma"),
+    ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "lots", "give a size in bytes"),
+    ("MOONCAKE_METADATA_SERVER", "metadata", "give P2PHANDSHAKE or a URL"),
+])
+def test_each_bad_mooncake_setting_is_refused_by_name(name, value, message):
+    with pytest.raises(ValueError, match=f"{name}=.*{message}"):
+        MooncakeSettings.from_env({name: value})
+
+
+def test_layouts_refuse_what_they_cannot_hold(tmp_path):
+    base = {"SGLANG_HS_DUMP_DIR": str(tmp_path), "SGLANG_HS_DUMP_SINK": "mooncake"}
+    with mock.patch.dict(os.environ, {**base, "SGLANG_HS_DUMP_DTYPE": "fp8"}):
+        with pytest.raises(ValueError, match="SpecForge's layout has no place for fp8 scales"):
+            DumpConfig.from_env()
+    with mock.patch.dict(os.environ, {**base, "SGLANG_HS_DUMP_SINK_LAYOUT": "vllm"}):
+        with pytest.raises(ValueError, match="SGLANG_HS_DUMP_SINK_LAYOUT='vllm'"):
+            DumpConfig.from_env()
+    with mock.patch.dict(os.environ, {**base, "SGLANG_HS_DUMP_SINK": "s3"}):
+        with pytest.raises(ValueError, match="SGLANG_HS_DUMP_SINK='s3'"):
+            DumpConfig.from_env()
+    with mock.patch.dict(os.environ, {**base, "SGLANG_HS_DUMP_WRITER_PROCESS": "0"}):
+        with pytest.raises(ValueError, match="puts from the writer process"):
+            DumpConfig.from_env()
