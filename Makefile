@@ -20,13 +20,14 @@ RUNTIME_VENV := .venv/sglang-$(VERSION)
 RUNTIME_PY := $(RUNTIME_VENV)/bin/python
 CHECKOUT := $(or $(SGLANG_DIR),.sglang/$(VERSION))
 LIBCUDA_STUB_DIR := .venv/libcuda-stub
+LIBIBVERBS_DIR := .venv/libibverbs
 SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if $(ALLOW_UNLOCKED),--allow-unlocked)
 # How tests and the demo run the patched tree: the runtime venv holds upstream SGLang and its
 # dependencies; the patched checkout goes first on the path.
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
-	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
+	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR)):$(abspath $(LIBIBVERBS_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release demo generate bench bench-generate bench-generate-servers bench-writer bench-export clean
+.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release demo demo-online generate bench bench-generate bench-generate-servers bench-writer bench-export clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -79,7 +80,24 @@ $(LIBCUDA_STUB_DIR)/libcuda.so.1: stubs/libcuda_stub.c
 		echo "a real NVIDIA driver is present: no libcuda stand-in"; touch $@.none; \
 	else cc -shared -fPIC -O2 -o $@ $<; fi
 
-runtime: $(RUNTIME_VENV)/.installed $(LIBCUDA_STUB_DIR)/libcuda.so.1 ## SGLang's runtime (torch and friends, about 11 GB) for VERSION
+# Mooncake's store and master link libibverbs.so.1 even when they only speak TCP. Where the host
+# has none: the Debian packages' libraries, unpacked into one folder (nothing installed
+# system-wide) that RUNTIME_ENV puts on the library path. A fresh image without package lists
+# gets them first.
+IBVERBS_PACKAGES := libibverbs1 libnl-3-200 libnl-route-3-200
+$(LIBIBVERBS_DIR)/libibverbs.so.1:
+	if ldconfig -p | grep -q 'libibverbs.so.1 '; then \
+		echo "the host has libibverbs.so.1: none unpacked"; mkdir -p $(LIBIBVERBS_DIR); touch $@.none; \
+	else \
+		staging=$(LIBIBVERBS_DIR).partial; rm -rf $$staging && mkdir -p $$staging/debs && \
+		(cd $$staging/debs && \
+			{ apt-get download $(IBVERBS_PACKAGES) || { apt-get update -qq && apt-get download $(IBVERBS_PACKAGES); }; } && \
+			for deb in *.deb; do dpkg -x $$deb tree || exit 1; done) && \
+		find $$staging/debs/tree -name 'lib*.so*' -exec cp -P -t $$staging {} + && \
+		rm -rf $$staging/debs $(LIBIBVERBS_DIR) && mv $$staging $(LIBIBVERBS_DIR); \
+	fi
+
+runtime: $(RUNTIME_VENV)/.installed $(LIBCUDA_STUB_DIR)/libcuda.so.1 $(LIBIBVERBS_DIR)/libibverbs.so.1 ## SGLang's runtime (torch and friends, about 11 GB) for VERSION
 
 test-tools: tools ## toolchain tests (no SGLang runtime needed)
 	$(TOOLS_PY) -m pytest -q tests/toolchain $(PYTEST_ARGS)
@@ -109,12 +127,15 @@ PRUNE_RUNTIMES ?=
 TEST_LANES ?= 1
 test: test-tools test-matrix ## everything CI runs: toolchain tests, then per release unit tests and test-warmup, the server suite on FULL_SERVER_SUITE
 
-test-matrix: tools $(LIBCUDA_STUB_DIR)/libcuda.so.1 ## per release (SGLANG_VERSION=: that one) unit tests and test-warmup, the whole server suite on FULL_SERVER_SUITE; TEST_LANES releases at a time
+test-matrix: tools $(LIBCUDA_STUB_DIR)/libcuda.so.1 $(LIBIBVERBS_DIR)/libibverbs.so.1 ## per release (SGLANG_VERSION=: that one) unit tests and test-warmup, the whole server suite on FULL_SERVER_SUITE; TEST_LANES releases at a time
 	FULL_SERVER_SUITE="$(FULL_SERVER_SUITE)" TEST_LANES="$(TEST_LANES)" PRUNE_RUNTIMES="$(PRUNE_RUNTIMES)" SGLANG_DIR="$(SGLANG_DIR)" \
 		scripts/test_matrix.sh $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.toolchain.lock versions))
 
 demo: apply runtime ## the whole path on a tiny model: conversations -> generate -> dump -> SpecForge and speculators exports
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.dumps.demo
+
+demo-online: apply runtime ## the same into a local Mooncake store (master and its memory), every sample read back by a trainer's stream, no rows on disk
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.online.demo
 
 DATASET ?=
 OUT ?=
