@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from scripts.dump_format import load_dump, read_manifest
+from scripts.dump_format import load_dump
 from scripts.dumps.progress import ByteTally, progress_bar
+from scripts.dumps.samples import file_manifest
+from scripts.toolchain.errors import ToolError
 
 
 @dataclass
@@ -63,7 +65,7 @@ def summarise(dump_dir: Path, tally: Optional[ByteTally] = None) -> Summary:
     read) behind a progress bar."""
     summary = Summary()
     listed = set()
-    entries = read_manifest(str(dump_dir))
+    entries = file_manifest(dump_dir)
     bar = progress_bar(len(entries)) if tally is not None else None
     for entry in entries:
         listed.add(entry["file"])
@@ -122,7 +124,11 @@ def main(argv=None) -> int:
         print(f"error: {args.dump_dir} is not a directory", file=sys.stderr)
         return 2
     tally = ByteTally()
-    summary = summarise(args.dump_dir, tally)
+    try:
+        summary = summarise(args.dump_dir, tally)
+    except ToolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     tally.finish()
     print(report(args.dump_dir, summary))
     print(tally.summary("checked", "files"))

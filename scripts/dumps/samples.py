@@ -89,6 +89,17 @@ def samples_line(rid: str, line: int, loss_mask: List[int]) -> dict:
     return {"rid": rid, "line": line, "num_tokens": len(loss_mask), "loss_mask": mask_runs(loss_mask)}
 
 
+def file_manifest(dump_dir: Path) -> List[dict]:
+    """The manifest entries of a dump to files; a control directory of the Mooncake sink,
+    whose rows are in a store, is refused by name."""
+    entries = read_manifest(str(dump_dir))
+    in_store = next((entry for entry in entries if entry.get("sink") == "mooncake"), None)
+    if in_store is not None:
+        raise ToolError(f"{dump_dir}: the rows of {in_store['rid']!r} (and of every sample here) are in a Mooncake "
+                        f"store, not in files: read them with scripts.online.stream.HiddenStatesStream")
+    return entries
+
+
 def training_samples(dump_dir: Path, samples_file: Optional[Path] = None) -> List[Tuple[dict, List[int]]]:
     """(manifest entry, loss mask) of every sample to train on, in the samples file's order.
 
@@ -96,7 +107,7 @@ def training_samples(dump_dir: Path, samples_file: Optional[Path] = None) -> Lis
     sample once, its first file in the manifest, its mask from the file. Without one: every
     manifest entry, a mask of ones."""
     dump_dir = Path(dump_dir)
-    entries = read_manifest(str(dump_dir))
+    entries = file_manifest(dump_dir)
     samples_file = samples_file or dump_dir / SAMPLES_NAME
     if not samples_file.exists():
         return [(entry, [1] * entry["num_tokens"]) for entry in entries]

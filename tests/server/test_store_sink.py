@@ -20,10 +20,10 @@ from scripts.dumps.server import Server, runtime_env
 from scripts.online.master import MooncakeMaster
 from scripts.online.stream import CLOSED_MARKER, HiddenStatesStream
 from scripts.paths import REPO_ROOT
-from tests.server.test_generate import dumping_processes, write_dataset
+from tests.server.test_generate import MAX_LENGTH, dumping_processes, write_dataset
 
 DEFAULT_STORE_ID = "sglang-hs"  # SGLANG_HS_DUMP_STORE_ID's default: the first part of every key
-LAYERS = "1,2,3"  # the 3-layer model's EAGLE-3 layers: what SpecForge's layout holds
+LAYERS = "0,1,2"  # below L = 3, ascending: what SpecForge's layout holds (it refuses layer L)
 CONVERSATIONS = 14
 
 
@@ -55,7 +55,7 @@ def file_dump(model_l3, conversations, tmp_path_factory):
     path, valid = conversations
     out = tmp_path_factory.mktemp("files") / "dump"
     done = generate("--dataset", path, "--out", out, "--model", model_l3, "--dump-layers", LAYERS,
-                    "--concurrency", 1)
+                    "--concurrency", 1, "--max-length", MAX_LENGTH)
     assert done.returncode == 0, done.stdout + done.stderr
     records = {entry["rid"]: load_dump(str(out / entry["file"])) for entry in read_manifest(str(out))}
     masks = {line["rid"]: mask_from_runs(line["loss_mask"]) for line in read_lines(out / SAMPLES_NAME)}
@@ -85,7 +85,7 @@ def test_generate_into_the_store_killed_and_rerun_equals_the_file_dump(model_l3,
     control = tmp_path / "control"
     env = store_env(master)
     options = ["--dataset", path, "--out", control, "--model", model_l3, "--dump-layers", LAYERS,
-               "--concurrency", 1, "--sink", "mooncake"]
+               "--concurrency", 1, "--max-length", MAX_LENGTH, "--sink", "mooncake"]
     command = generate(*options, env=env, wait=False)
     deadline = time.monotonic() + 300
     while len(read_lines(control / SAMPLES_NAME)) < 4:
@@ -129,6 +129,10 @@ def test_generate_into_the_store_killed_and_rerun_equals_the_file_dump(model_l3,
         assert torch.equal(tensors["target"], record.last_hidden_state[None])
     stream.ack(sample_id for sample_id in rid_of)
     assert list(HiddenStatesStream(control, store_env=env, idle_timeout_s=60)) == []
+    # The file tools refuse a control directory, naming where its rows are.
+    refused = subprocess.run([sys.executable, "-m", "scripts.dumps.inspect_dump", str(control)], cwd=REPO_ROOT,
+                             capture_output=True, text=True)
+    assert refused.returncode != 0 and "are in a Mooncake store" in refused.stderr
 
 
 def test_two_servers_and_two_trainer_ranks_see_every_sample_once(model_l3, conversations, master, tmp_path):
@@ -145,7 +149,7 @@ def test_two_servers_and_two_trainer_ranks_see_every_sample_once(model_l3, conve
         for server in servers:
             server.wait_ready()
         done = generate("--dataset", path, "--out", control, "--model", model_l3, "--concurrency", 1,
-                        "--sink", "mooncake", *[f"--server=http://127.0.0.1:{server.port}" for server in servers],
+                        "--max-length", MAX_LENGTH, "--sink", "mooncake", *[f"--server=http://127.0.0.1:{server.port}" for server in servers],
                         env=env)
         assert done.returncode == 0, done.stdout + done.stderr
     lines = read_manifest(str(control))

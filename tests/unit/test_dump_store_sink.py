@@ -176,6 +176,25 @@ def test_a_full_store_is_waited_out_and_nothing_is_evicted(tmp_path, small_maste
         reader.remove(line["transfer_manifest"]["handle"], force=True)
 
 
+def test_a_restarted_writer_never_reuses_a_key(tmp_path, master, store_env):
+    """Keys come from the writer's run, never from request ids: a writer started again on the
+    same directory, given the same rids, publishes new samples beside the old ones."""
+    store_env("hs-connectors")
+    control = tmp_path / "control"
+    control.mkdir()
+    for _ in range(2):
+        dumper = start_dumper(control, LAYERS)
+        feed(dumper)
+        wait_for_stats(dumper, lambda counters: counters["files"] == 2)
+    lines = read_manifest(str(control))
+    handles = [line["transfer_manifest"]["handle"] for line in lines]
+    assert [line["rid"] for line in lines] == ["a", "b", "a", "b"] and len(set(handles)) == 4
+    reader = client(master)
+    for line, handle in zip(lines, handles):
+        assert reader.get_size(handle) == line["bytes"]  # the first run's samples are still whole
+        reader.remove(handle, force=True)
+
+
 def test_unpinned_objects_are_evicted_when_the_store_fills(small_master):
     """The negative control: what a put without a hard pin (hs-connectors' own default)
     risks. Filling the store with unpinned objects loses some of them, silently, within
