@@ -108,8 +108,8 @@ test-unit: apply runtime ## unit tests of the patched SGLang code on CPU tensors
 test-warmup: apply runtime ## real server: warmup plus one prefill with dumping on, and the negative controls
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q tests/server/test_warmup.py $(PYTEST_ARGS)
 
-test-server: apply runtime ## every real-server test for VERSION
-	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q tests/server $(PYTEST_ARGS)
+test-server: apply runtime ## every real-server test for VERSION, and the online trainer side's (tests/online: a real Mooncake store; SGLang-free, so once)
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q tests/server tests/online $(PYTEST_ARGS)
 
 test-release: test-unit test-server ## unit and server tests for VERSION
 

@@ -36,6 +36,7 @@ dequantize_rows = _format.dequantize_rows
 load_dump = _format.load_dump
 manifest_name = _format.manifest_name
 manifest_paths = _format.manifest_paths
+quantize_rows = _format.quantize_rows
 read_manifest = _format.read_manifest
 safetensors_header = _format.safetensors_header
 tensor_bytes = _format.tensor_bytes

@@ -19,6 +19,10 @@ The modules, each one concern:
     writer          the writer: a queue of requests, files published in submission order
     files           the file protocol (standard library only), and the writer process
     process_writer  the writer's threads in a process of their own, fed from shared memory
+    store_sink      the Mooncake sink (SGLANG_HS_DUMP_SINK=mooncake): the writer process
+                    puts each sample in a store instead of writing a file
+    store_process   that writer process: puts, hard-pinned, then manifest lines and refs
+    store_layouts   what the trainers' layouts hold (SpecForge's, hs-connectors')
     stats           counters and timings
     lifecycle       writing what is queued before a process goes
 

@@ -1,0 +1,452 @@
+"""The trainer's side of the online sink: the samples SGLang servers publish to a Mooncake
+store, as a PyTorch IterableDataset, each read once, in the offline exports' field names.
+
+    stream = HiddenStatesStream(control_dir, rank=rank, world_size=world_size)
+    loader = DataLoader(stream, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    for sample in loader:
+        train(sample)
+        stream.ack([sample["sample_id"]])
+
+(Workers forked from a process that holds a Mooncake client cannot open their own: spawn
+them, or fork them once, with persistent_workers=True, before the first ack.)
+
+A server dumping with SGLANG_HS_DUMP_SINK=mooncake puts each sample's tensors in the store,
+then appends its manifest line (its keys, shapes and dtypes) to the control directory. The
+stream follows every manifest there and hands each sample to one trainer rank and one
+dataloader worker, by a stable hash of its sample id (the rank by the hash alone, so a
+trainer restarted with another number of workers keeps its samples). It ends once the
+control directory holds CLOSED_MARKER (every sample is published) and every line is read.
+
+`ack` records the samples a trainer has trained on, durably, and only then removes them from
+the store; a stream started later (a restarted trainer) skips every acknowledged sample, so
+no sample is lost and none is trained on twice once acknowledged.
+
+Imports nothing from SGLang: torch, the standard library, Mooncake's store and the dump's
+format module (hs_connectors too, only for samples in its layout).
+"""
+
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Set
+
+import torch
+
+from scripts.dump_format import FP8_ENCODING, ManifestFollower, dequantize_rows
+
+# Created in the control directory once every sample is published: the stream ends there.
+CLOSED_MARKER = ".closed"
+ACKS_DIR = "acks"
+FIELD_SETS = ("specforge", "speculators")
+LAYOUTS = ("specforge", "hs-connectors")
+SINK = "mooncake"
+OBJECT_NOT_FOUND = -704  # Mooncake's status for a key it does not hold
+BUFFER_GRANULE = 64 << 20  # read buffers grow by this much, so few are ever registered
+OBJECT_ALIGNMENT = 64
+SIZE_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "mib": 1 << 20,
+              "gb": 1 << 30, "gib": 1 << 30, "tb": 1 << 40, "tib": 1 << 40}
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """How a trainer's process reaches the store: the MOONCAKE_* variables the servers'
+    writers read, with the same defaults, but for the local buffer: reads land in buffers
+    registered for them (get_into), so the client's own buffer carries next to nothing.
+    A reader lends the store no memory (a global segment of 0)."""
+
+    master_server_addr: str = "localhost:50051"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    local_buffer_size: int = 16 << 20
+    rdma_devices: str = ""
+    local_hostname: str = "localhost"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "StoreSettings":
+        defaults = cls()
+
+        def get(name: str, default) -> str:
+            value = environ.get(name)
+            return str(default) if value is None else value.strip()
+
+        protocol = get("MOONCAKE_PROTOCOL", defaults.protocol).lower()
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"MOONCAKE_PROTOCOL={protocol!r}: use tcp or rdma.")
+        buffer_size = get("MOONCAKE_LOCAL_BUFFER_SIZE", defaults.local_buffer_size)
+        size = re.match(r"^([0-9]+)\s*([A-Za-z]*)$", buffer_size)
+        if not size or size.group(2).lower() not in SIZE_UNITS:
+            raise ValueError(f"MOONCAKE_LOCAL_BUFFER_SIZE={buffer_size!r}: give a size in bytes, "
+                             f"e.g. 16777216 or 16MB.")
+        return cls(
+            master_server_addr=get("MOONCAKE_MASTER_SERVER_ADDR", defaults.master_server_addr),
+            metadata_server=get("MOONCAKE_METADATA_SERVER", defaults.metadata_server),
+            protocol=protocol,
+            local_buffer_size=int(size.group(1)) * SIZE_UNITS[size.group(2).lower()],
+            rdma_devices=get("MOONCAKE_RDMA_DEVICES", defaults.rdma_devices),
+            local_hostname=get("MOONCAKE_LOCAL_HOSTNAME", defaults.local_hostname),
+        )
+
+    def setup_error(self, status) -> str:
+        return (f"could not join the Mooncake store whose master is {self.master_server_addr} "
+                f"(MOONCAKE_MASTER_SERVER_ADDR; metadata {self.metadata_server}, protocol {self.protocol}, "
+                f"this host {self.local_hostname}): setup returned {status}. Is mooncake_master running there?")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A dtype as the manifest names it: "bfloat16", or "torch.bfloat16" as hs-connectors does."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+class StoreReader:
+    """One process's client of the store: reads objects into one registered buffer (grown,
+    and registered again, only when a sample needs more) and removes objects."""
+
+    def __init__(self, settings: StoreSettings):
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as error:
+            raise ImportError("the online stream reads a Mooncake store: install Mooncake's Python "
+                              "package (mooncake-transfer-engine) in the trainer's environment") from error
+        self._store = MooncakeDistributedStore()
+        status = self._store.setup(settings.local_hostname, settings.metadata_server, 0, settings.local_buffer_size,
+                                   settings.protocol, settings.rdma_devices, settings.master_server_addr)
+        if status != 0:
+            raise ConnectionError(settings.setup_error(status))
+        self._buffer: Optional[torch.Tensor] = None
+
+    def read(self, rid: str, objects: Dict[str, dict]) -> Dict[str, torch.Tensor]:
+        """The tensors of one sample's objects ({name: {key, shape, dtype}}), as they are stored."""
+        placed = []  # (name, spec, dtype, offset, size)
+        offset = 0
+        for name, spec in objects.items():
+            dtype = torch_dtype(spec["dtype"])
+            size = self._store.get_size(spec["key"])
+            expected = math.prod(spec["shape"]) * dtype.itemsize
+            if size < 0:
+                raise LookupError(f"manifest line of rid {rid!r}: its object {spec['key']} is not in the store "
+                                  f"(status {size}): removed, or the store lost it")
+            if size != expected:
+                raise ValueError(f"manifest line of rid {rid!r}: its object {spec['key']} holds {size} bytes, "
+                                 f"its shape {spec['shape']} and dtype {spec['dtype']} {expected}")
+            placed.append((name, spec, dtype, offset, size))
+            offset += -(-size // OBJECT_ALIGNMENT) * OBJECT_ALIGNMENT
+        buffer = self._buffer_of(offset)
+        tensors = {}
+        for name, spec, dtype, start, size in placed:
+            received = self._store.get_into(spec["key"], buffer.data_ptr() + start, size)
+            if received != size:
+                raise LookupError(f"manifest line of rid {rid!r}: reading its object {spec['key']} "
+                                  f"returned {received}, not its {size} bytes")
+            # A copy: the buffer is the next sample's.
+            tensors[name] = buffer[start:start + size].view(dtype).view(spec["shape"]).clone()
+        return tensors
+
+    def remove(self, key: str) -> None:
+        # force: a sample just read still holds a lease on its objects.
+        status = self._store.remove(key, force=True)
+        if status not in (0, OBJECT_NOT_FOUND):
+            raise RuntimeError(f"Mooncake remove of {key} failed with status {status}")
+
+    def _buffer_of(self, size: int) -> torch.Tensor:
+        if self._buffer is not None and self._buffer.numel() >= size:
+            return self._buffer
+        if self._buffer is not None:
+            self._store.unregister_buffer(self._buffer.data_ptr())
+        buffer = torch.empty(-(-max(size, 1) // BUFFER_GRANULE) * BUFFER_GRANULE, dtype=torch.uint8)
+        status = self._store.register_buffer(buffer.data_ptr(), buffer.numel())
+        if status != 0:
+            raise RuntimeError(f"Mooncake register_buffer of {buffer.numel()} bytes failed with status {status}")
+        self._buffer = buffer
+        return buffer
+
+
+def hs_connectors_store(settings: StoreSettings):
+    """hs-connectors' own reader of its layout, joined as a reader (no global segment)."""
+    from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+
+    config = MooncakeStoreConfig(local_hostname=settings.local_hostname, metadata_server=settings.metadata_server,
+                                 master_server_address=settings.master_server_addr, global_segment_size=0,
+                                 local_buffer_size=settings.local_buffer_size, protocol=settings.protocol,
+                                 device_name=settings.rdma_devices)
+    try:
+        return MooncakeHiddenStatesStore(config).setup()
+    except RuntimeError as error:
+        raise ConnectionError(settings.setup_error(error)) from error
+
+
+def check_entry(entry: dict) -> None:
+    """Refuse a manifest line this stream cannot read, naming its rid."""
+    rid = entry.get("rid")
+    if entry.get("sink") != SINK:
+        raise ValueError(f"manifest line of rid {rid!r} is not the Mooncake sink's (its sink: {entry.get('sink')!r}): "
+                         f"the control directory of an online stream holds only SGLANG_HS_DUMP_SINK=mooncake manifests")
+    if entry.get("layout") not in LAYOUTS:
+        raise ValueError(f"manifest line of rid {rid!r} has the layout {entry.get('layout')!r}; "
+                         f"this stream reads {', '.join(LAYOUTS)}")
+    if entry["layout"] == "specforge" and entry.get("encoding") == FP8_ENCODING:
+        raise ValueError(f"manifest line of rid {rid!r}: fp8 in the specforge layout, which holds only plain tensors")
+
+
+def object_keys(entry: dict) -> List[str]:
+    """Every store key of a sample (hs-connectors: also its error marker's)."""
+    if entry["layout"] == "specforge":
+        return [spec["key"] for spec in entry["objects"].values()]
+    handle = entry["transfer_manifest"]["handle"]
+    return [handle, f"{handle}:error"]
+
+
+def sample_hash(sample_id: str) -> int:
+    """The same in every process (Python's own hash of a str is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(sample_id.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def rank_of(sample_id: str, world_size: int) -> int:
+    """The trainer rank a sample belongs to, whatever the ranks' numbers of workers."""
+    return sample_hash(sample_id) % world_size
+
+
+def worker_of(sample_id: str, world_size: int, num_workers: int) -> int:
+    """The dataloader worker, of its rank's, that reads a sample."""
+    return sample_hash(sample_id) // world_size % num_workers
+
+
+def ack_log_path(state_dir, rank: int) -> Path:
+    return Path(state_dir) / ACKS_DIR / f"rank{rank}.jsonl"
+
+
+def acknowledged(state_dir) -> Set[str]:
+    """The sample ids in every rank's ack log. A line a killed trainer left unfinished is
+    not an acknowledgement (its samples' objects were not removed yet)."""
+    ids = set()
+    for path in sorted((Path(state_dir) / ACKS_DIR).glob("rank*.jsonl")):
+        data = path.read_bytes()
+        for line in data[:data.rfind(b"\n") + 1].splitlines():
+            if line.strip():
+                ids.add(json.loads(line)["sample_id"])
+    return ids
+
+
+def acknowledged_count(state_dir) -> int:
+    """How many samples the trainers have acknowledged, over every rank: what producers
+    pace themselves by. `state_dir`: the streams' state_dir, by default their control directory."""
+    return len(acknowledged(state_dir))
+
+
+class AckLog:
+    """One trainer rank's durable record of the samples it trained on."""
+
+    def __init__(self, state_dir, rank: int):
+        self.path = ack_log_path(state_dir, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        # A line a killed trainer left unfinished goes, or the next append would join it.
+        data = self.path.read_bytes()
+        os.ftruncate(self._fd, data.rfind(b"\n") + 1)
+        if created:  # the log's name must survive a crash too
+            directory = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+
+    def append(self, sample_ids: List[str]) -> None:
+        lines = "".join(json.dumps({"sample_id": sample_id}) + "\n" for sample_id in sample_ids)
+        os.write(self._fd, lines.encode("utf-8"))
+        os.fsync(self._fd)
+
+
+# The process that opened a Mooncake client here: a process forked from it cannot open one
+# of its own (the client hangs or crashes there).
+_client_process: Optional[int] = None
+
+
+def opened_a_client() -> None:
+    global _client_process
+    _client_process = os.getpid()
+
+
+def refuse_a_client_in_a_fork() -> None:
+    if _client_process not in (None, os.getpid()):
+        raise RuntimeError(
+            "this process was forked from one that holds a Mooncake client (a stream there read or "
+            "acknowledged samples), and Mooncake cannot open another client in a fork: start the "
+            "DataLoader's workers with multiprocessing_context='spawn' (or 'forkserver'), or with "
+            "persistent_workers=True before the first ack")
+
+
+class ProcessConnections:
+    """What one process holds open; a dataloader worker (spawned or forked) opens its own."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.reader: Optional[StoreReader] = None
+        self.hs_connectors_store = None
+        self.ack_log: Optional[AckLog] = None
+        self.ack_follower: Optional[ManifestFollower] = None
+        self.unacknowledged_keys: Dict[str, List[str]] = {}  # this rank's sample ids: their store keys
+
+
+class HiddenStatesStream(torch.utils.data.IterableDataset):
+    """Every published sample of `control_dir`'s manifests that belongs to this trainer
+    rank and dataloader worker and is not acknowledged yet, read from the store, as a dict:
+
+    fields "specforge" (export_specforge's): input_ids [T] int64, loss_mask [T] int64,
+    hidden_state [1, T, H] (the final normed state), aux_hidden_state [1, T, K*H] (the dumped
+    layers in ascending order, side by side);
+    fields "speculators": input_ids [T], loss_mask [T], hidden_states [T, K, H] (the dumped
+    layers in the manifest's `layers` order);
+    both with "sample_id", which `ack` takes. fp8 samples come back in the model's dtype.
+
+    Store settings come from the MOONCAKE_* variables of `store_env` (default: this process's
+    environment). The ack logs live in `state_dir` (default: the control directory).
+    Iteration waits for new manifest lines until the closed marker is there; with
+    `idle_timeout_s`, no new line for that long is a TimeoutError."""
+
+    def __init__(self, control_dir, *, rank: int = 0, world_size: int = 1, fields: str = "specforge",
+                 state_dir=None, store_env: Optional[Mapping[str, str]] = None,
+                 idle_timeout_s: Optional[float] = None, poll_interval_s: float = 0.05):
+        super().__init__()
+        if fields not in FIELD_SETS:
+            raise ValueError(f"fields={fields!r}: use one of {', '.join(FIELD_SETS)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not one of world_size {world_size}'s ranks")
+        self.control_dir = Path(control_dir)
+        self.state_dir = Path(state_dir) if state_dir is not None else self.control_dir
+        self.rank = rank
+        self.world_size = world_size
+        self.fields = fields
+        self.settings = StoreSettings.from_env(os.environ if store_env is None else store_env)
+        self.idle_timeout_s = idle_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._connections: Optional[ProcessConnections] = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_connections"] = None
+        return state
+
+    def __iter__(self) -> Iterator[Dict[str, object]]:
+        worker = torch.utils.data.get_worker_info()
+        num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
+        acknowledged_or_yielded = acknowledged(self.state_dir)
+        for entry in self._published():
+            sample_id = entry["sample_id"]
+            if (rank_of(sample_id, self.world_size) != self.rank or sample_id in acknowledged_or_yielded
+                    or worker_of(sample_id, self.world_size, num_workers) != worker_id):
+                continue
+            acknowledged_or_yielded.add(sample_id)  # a line repeated in the manifests is one sample
+            yield self._sample(entry)
+
+    def ack(self, sample_ids: Iterable[str]) -> None:
+        """Record that this rank trained on `sample_ids` (appended to its ack log and synced
+        to disk), then remove their objects from the store. Works in the trainer's main
+        process while dataloader workers iterate."""
+        sample_ids = list(sample_ids)
+        connections = self._process_connections()
+        if connections.ack_follower is None:
+            connections.ack_follower = ManifestFollower(self.control_dir)
+        for entry in connections.ack_follower.poll():
+            check_entry(entry)
+            if rank_of(entry["sample_id"], self.world_size) == self.rank:
+                connections.unacknowledged_keys[entry["sample_id"]] = object_keys(entry)
+        unknown = [sample_id for sample_id in sample_ids if sample_id not in connections.unacknowledged_keys]
+        if unknown:
+            raise ValueError(f"not samples of rank {self.rank} in {self.control_dir}'s manifests left to "
+                             f"acknowledge: {unknown}")
+        if connections.ack_log is None:
+            connections.ack_log = AckLog(self.state_dir, self.rank)
+        connections.ack_log.append(sample_ids)
+        reader = self._reader()
+        for sample_id in sample_ids:
+            for key in connections.unacknowledged_keys.pop(sample_id):
+                reader.remove(key)
+
+    def _published(self) -> Iterator[dict]:
+        """Every manifest line, as writers append them, until the closed marker."""
+        follower = ManifestFollower(self.control_dir)
+        closed_marker = self.control_dir / CLOSED_MARKER
+        last_line_at = time.monotonic()
+        while True:
+            # Looked at before reading: every line was appended before the marker was made.
+            closed = closed_marker.exists()
+            entries = follower.poll()
+            for entry in entries:
+                check_entry(entry)
+                yield entry
+            if closed:
+                return
+            if entries:
+                last_line_at = time.monotonic()
+            elif self.idle_timeout_s is not None and time.monotonic() - last_line_at > self.idle_timeout_s:
+                raise TimeoutError(f"no new manifest line in {self.control_dir} for {self.idle_timeout_s} s, "
+                                   f"and no {CLOSED_MARKER} marker saying every sample is published")
+            else:
+                time.sleep(self.poll_interval_s)
+
+    def _sample(self, entry: dict) -> Dict[str, object]:
+        rid = entry["rid"]
+        if entry["layout"] == "specforge":
+            stored = self._reader().read(rid, entry["objects"])
+            num_tokens = entry["num_tokens"]
+            token_ids = stored["input_ids"][0]
+            loss_mask = stored["loss_mask"][0]
+            hidden_states = stored["hidden_state"].view(num_tokens, len(entry["layers"]), entry["hidden_size"])
+            last_hidden_state = stored["target"][0]
+        else:
+            handle = entry["transfer_manifest"]["handle"]
+            try:
+                # No waiting: a sample has its manifest line only once it is in the store.
+                stored = self._hs_connectors_store().get_sample(entry["transfer_manifest"], timeout=0)
+            except TimeoutError as error:
+                raise LookupError(f"manifest line of rid {rid!r}: its object {handle} is not in the store: "
+                                  f"removed, or the store lost it") from error
+            token_ids = stored["token_ids"]
+            loss_mask = stored["loss_mask"]
+            hidden_states = stored["hidden_states"]
+            last_hidden_state = stored["last_hidden_state"]
+            if entry.get("encoding") == FP8_ENCODING:
+                dtype = torch_dtype(entry["model_dtype"])
+                hidden_states = dequantize_rows(hidden_states, stored["hidden_states_scale"], dtype)
+                last_hidden_state = dequantize_rows(last_hidden_state, stored["last_hidden_state_scale"], dtype)
+        sample: Dict[str, object] = {"input_ids": token_ids, "loss_mask": loss_mask}
+        if self.fields == "speculators":
+            sample["hidden_states"] = hidden_states
+        else:
+            layers = entry["layers"]
+            if layers != sorted(layers):  # SGLang feeds an EAGLE-3 draft its layers in ascending order
+                order = sorted(range(len(layers)), key=layers.__getitem__)
+                hidden_states = hidden_states.index_select(1, torch.tensor(order))
+            num_tokens, num_layers, hidden_size = hidden_states.shape
+            sample["hidden_state"] = last_hidden_state.unsqueeze(0)
+            sample["aux_hidden_state"] = hidden_states.reshape(num_tokens, num_layers * hidden_size).unsqueeze(0)
+        sample["sample_id"] = entry["sample_id"]
+        return sample
+
+    def _process_connections(self) -> ProcessConnections:
+        if self._connections is None or self._connections.pid != os.getpid():
+            refuse_a_client_in_a_fork()
+            self._connections = ProcessConnections()
+        return self._connections
+
+    def _reader(self) -> StoreReader:
+        connections = self._process_connections()
+        if connections.reader is None:
+            connections.reader = StoreReader(self.settings)
+            opened_a_client()
+        return connections.reader
+
+    def _hs_connectors_store(self):
+        connections = self._process_connections()
+        if connections.hs_connectors_store is None:
+            connections.hs_connectors_store = hs_connectors_store(self.settings)
+            opened_a_client()
+        return connections.hs_connectors_store
