@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 
 RAY_STARTED = "Ray runtime started."
 HEAD_ADDRESS = re.compile(r"ray start --address='([^']+)'")
-WRITER_STARTED = re.compile(r"hidden states dump on: dir=(\S+) manifest=(\S+) layers=(\[[0-9, ]*\])")
+WRITER_STARTED = re.compile(r"hidden states dump on: dir=(\S+) manifest=(\S+) sink=\S+(?: \S+=\S+)* layers=(\[[0-9, ]*\])")
 
 
 class RayNode:
