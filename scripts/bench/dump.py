@@ -9,7 +9,11 @@ Suites (BENCHMARKS.md has the tables and the commands that produced them):
   server's round ends when the last file of the round is in the manifest. Where the preset
   names tmpfs_stages, the tmpfs dump also runs with its later stages left out
   (scripts/bench/dump_stages.py); such a server lands no file and its round ends at its
-  last response.
+  last response. Where the preset names store_consumers, the same rows also go into a
+  Mooncake store on this machine (SGLANG_HS_DUMP_SINK=mooncake, SpecForge's layout, TCP; the
+  control directory on the tmpfs) with a consumer per contender taking each sample out again
+  (scripts/bench/local_store.py): its round ends when the manifest names every sample, then
+  waits, untimed, until the consumer has acknowledged them all.
 - hidden: hidden-state tokens/s delivered by the dump (to disk) vs SGLang's own
   `return_hidden_states` over HTTP on the same server vs transformers' `output_hidden_states`.
 - write: the dump's write bandwidth vs `dd` to the same filesystem, and server RSS with
@@ -50,8 +54,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from scripts.bench.measure import (clear_files, dd_rate, filesystem, prompts_for, send_all, send_and_land,
-                                   send_and_land_split, summary)
+from scripts.bench.local_store import LocalStore
+from scripts.bench.measure import (clear_files, dd_rate, directory_bytes, filesystem, prompts_for, send_all,
+                                   send_and_land, send_and_land_split, summary)
 from scripts.bench.copier_hooks import copier_hook, slices_hook
 from scripts.bench.dump_stages import STAGE_ENV, forward_hooks_arg
 from scripts.bench.profile import read_stacks, summarize
@@ -68,11 +73,18 @@ NO_PREFIX_CACHE = ("--disable-radix-cache",)
 # loop takes the cores the working server needs (on 2 cores a round took 6.5x as long
 # with a second, idle server running). Sleeping when idle keeps the contenders apart.
 SERVER_ARGS = NO_PREFIX_CACHE + ("--sleep-on-idle",)
+# The Mooncake sink's contenders, by how their consumer takes samples out of the store
+# (scripts/bench/store_consumer.py): acknowledged unread (the store's own cost), or read by a
+# trainer's loop on this machine, then acknowledged.
+STORE_CONSUMERS = {"acknowledged unread": "ack", "read and acknowledged": "read"}
+# The sink's settings for those contenders: bf16 rows (the model's dtype) in SpecForge's layout.
+STORE_SINK_ENV = {"SGLANG_HS_DUMP_SINK": "mooncake", "SGLANG_HS_DUMP_SINK_LAYOUT": "specforge"}
 
 PRESETS = {
     # 2 CPU cores: small enough to finish in minutes.
     "cpu": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=3, server_args=SERVER_ARGS,
-                lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8, fidelity_prompts=4),
+                lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8, fidelity_prompts=4,
+                store_consumers=STORE_CONSUMERS, store_segment_size=1 << 30),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
     # Up to five servers share the GPU. Prefill batches of 256 x 512 tokens exceed the
     # prefill CUDA graphs' token limit, so graphs would only serve warmup; off, servers
@@ -119,7 +131,10 @@ PRESETS = {
                      # this preset four servers fit the GPU, a fifth fails SGLang's memory check).
                      tmpfs_stages={"capture skipped": "capture_skipped", "rows not copied": "rows_not_copied",
                                    "copied, not written": "copied_not_written",
-                                   "fp8 quantized, not copied": "quantized_not_copied"}),
+                                   "fp8 quantized, not copied": "quantized_not_copied"},
+                     # The store holds a round of 768 prompts (22.5 GB of bf16 rows) with room
+                     # to spare; its consumers keep it near empty.
+                     store_consumers=STORE_CONSUMERS, store_segment_size=32 << 30),
 }
 
 
@@ -143,21 +158,23 @@ def tmpfs_holds_a_round(model, preset) -> bool:
 
 @dataclass
 class Contender:
-    """One prefill contender: where it dumps (None: nowhere), its environment, its extra
-    server arguments, and whether its round waits for its files (a server whose dump stages
-    are left out lands none)."""
+    """One prefill contender: where it dumps (None: nowhere; a Mooncake sink's control
+    directory), its environment, its extra server arguments, whether its round waits for its
+    files (a server whose dump stages are left out lands none), and, for a Mooncake sink, how
+    its consumer takes samples out of the store (a STORE_CONSUMERS mode)."""
 
     dump_dir: Optional[Path] = None
     env: Dict[str, str] = field(default_factory=dict)
     extra: Tuple[str, ...] = ()
     lands: bool = True
+    store_consumer: Optional[str] = None
 
 
-def start_contender(run: BenchRun, label: str, name: str, contender: Contender) -> Server:
+def start_contender(run: BenchRun, label: str, name: str, contender: Contender, store: LocalStore) -> Server:
     """Start the server of the contender called `name` (upstream runs the unpatched tree)."""
-    env = contender.env
+    env = dict(contender.env, **store.env(name))
     if contender.dump_dir:
-        env = dict(env, SGLANG_HS_DUMP_DIR=str(contender.dump_dir))
+        env["SGLANG_HS_DUMP_DIR"] = str(contender.dump_dir)
     return run.start_server(label, env, contender.extra, tree=upstream_tree() if name == "upstream" else None)
 
 
@@ -190,10 +207,23 @@ def prefill_contenders(run: BenchRun) -> Dict[str, Contender]:
             dump_dir = Path(tempfile.mkdtemp(prefix=f"dump-prefill-{stage}-", dir=preset["tmpfs_dir"]))
             contenders[f"patched, dump on (tmpfs, {label})"] = Contender(
                 dump_dir, STAGE_ENV.get(stage, {}), extra=("--forward-hooks", forward_hooks_arg(stage)), lands=False)
+    # The same rows put into the run's Mooncake store; the control directory, which holds only
+    # manifests, SpecForge's refs and the consumer's acknowledgements, where the tmpfs dumps go.
+    for label, consumer in preset.get("store_consumers", {}).items():
+        control_dir = Path(tempfile.mkdtemp(prefix=f"store-control-{consumer}-", dir=preset.get("tmpfs_dir", run.work)))
+        contenders[f"patched, dump on (store, {label})"] = Contender(control_dir, STORE_SINK_ENV,
+                                                                     store_consumer=consumer)
     if run.contenders:
         contenders = {name: contender for name, contender in contenders.items()
                       if name == "patched, dump off" or re.search(run.contenders, name)}
     return contenders
+
+
+def local_store(run: BenchRun, contenders: Dict[str, Contender]) -> LocalStore:
+    """The run's Mooncake store and consumers, for the contenders that put into one."""
+    return LocalStore(run.work, run.preset.get("store_segment_size", 0),
+                      {name: (contender.dump_dir, contender.store_consumer)
+                       for name, contender in contenders.items() if contender.store_consumer})
 
 
 def stop_all(servers) -> None:
@@ -228,22 +258,18 @@ def suite_prefill(run: BenchRun) -> dict:
     contenders = prefill_contenders(run)
     # The dump directories whose files a round waits for.
     dumps = {name: contender.dump_dir if contender.lands else None for name, contender in contenders.items()}
-    servers = {}
-    for index, (name, contender) in enumerate(contenders.items()):
-        servers[name] = start_contender(run, f"prefill-{index}", name, contender)
-        if preset.get("start_one_at_a_time"):
-            # Past its memory check (which counts what others take meanwhile as its own);
-            # the warmups, which compile kernels for a minute, overlap.
-            servers[name].wait_listening()
-            run.progress(f"prefill: {name} loaded")
+    store = local_store(run, contenders)
     tokens = preset["prompts"] * preset["prompt_len"]
-    names = list(servers)
+    names = list(contenders)
     seconds = {name: [] for name in names}
     responded = {name: [] for name in names}  # seconds to the round's last response
     measured = {name: 0.0 for name in names}  # every timed send, warm-up included
-    landed = {name: [] for name in names if dumps[name]}  # bytes of each round's files
+    # Bytes of each round's rows: a file sink's files, a store sink's samples in the store.
+    landed = {name: [] for name in names if dumps[name]}
+    on_disk = {name: [] for name in names if dumps[name]}  # what each round added to the dump directory
+    drain_waits = {name: [] for name in store.consumers}  # seconds from a round's last sample to its last ack
 
-    def result(rss=None, profiles=None) -> dict:
+    def result(rss=None, profiles=None, consumers_at_exit=None) -> dict:
         rounds = min(len(values) for values in seconds.values())
         per_round = {name: values[:rounds] for name, values in seconds.items()}
         off = per_round["patched, dump off"]
@@ -256,20 +282,41 @@ def suite_prefill(run: BenchRun) -> dict:
                 "throughput_ratio": {name: summary(values) for name, values in ratios.items()},
                 "landed_bytes_per_s": {name: summary([b / s for b, s in zip(landed[name], per_round[name])])
                                        for name in landed if landed[name][:rounds]},
+                "disk_bytes_per_round": {name: summary(values[:rounds]) for name, values in on_disk.items() if values[:rounds]},
+                # A store sink's rows over the seconds from the round's start until its consumer
+                # had acknowledged every sample: the rate the store was emptied at.
+                "store_drained_bytes_per_s": {name: summary([b / (s + w) for b, s, w in
+                                                             zip(landed[name], per_round[name], waits)])
+                                              for name, waits in drain_waits.items() if waits[:rounds]},
+                "store_drain_wait_s": {name: summary(waits[:rounds]) for name, waits in drain_waits.items() if waits[:rounds]},
+                "store": {"segment_bytes": store.segment_size, "layout": STORE_SINK_ENV["SGLANG_HS_DUMP_SINK_LAYOUT"],
+                          "consumers": {name: mode for name, (_, mode) in store.consumers.items()},
+                          "consumers_at_exit": consumers_at_exit} if store.consumers else None,
                 # What a sustained load would see: the round without the last forward's files.
                 "prompt_tokens_per_s_to_last_response": {name: summary([tokens / s for s in values[:rounds]])
                                                          for name, values in responded.items() if contenders[name].dump_dir},
                 "rounds": rounds, "server_rss_kib": rss, "dump_profile": profiles,
                 "contenders_started": "one after another" if preset.get("start_one_at_a_time") else "at once",
                 "workload": f"{preset['prompts']} prompts x {preset['prompt_len']} tokens, 1 output token; "
-                            f"dump files removed after each round"}
+                            f"dump files removed after each round, a store's samples by its consumer"}
 
+    servers = {}
     try:
+        store.start()
+        for index, (name, contender) in enumerate(contenders.items()):
+            servers[name] = start_contender(run, f"prefill-{index}", name, contender, store)
+            if preset.get("start_one_at_a_time"):
+                # Past its memory check (which counts what others take meanwhile as its own);
+                # the warmups, which compile kernels for a minute, overlap.
+                servers[name].wait_listening()
+                run.progress(f"prefill: {name} loaded")
         for server in servers.values():
             server.wait_ready()
         run.progress(f"prefill: {len(servers)} servers ready")
         for name in names:  # one round each not in the results: compile caches, allocator warm-up
             measured[name] += send_and_land(servers[name], prompts_for(8, preset["prompt_len"], seed=99), dumps[name])
+            if name in store.consumers:
+                store.round_drained(name)
             clear_files(dumps[name])
         for round_index in run.rounds():
             # New prompts every round: a repeated prompt would hit the prefix cache of the
@@ -277,20 +324,28 @@ def suite_prefill(run: BenchRun) -> dict:
             prompts = prompts_for(preset["prompts"], preset["prompt_len"], seed=1000 + round_index)
             order = names[round_index % len(names):] + names[: round_index % len(names)]
             for name in order:
+                disk_before = directory_bytes(dumps[name]) if dumps[name] else 0
                 to_response, to_land = send_and_land_split(servers[name], prompts, dumps[name])
                 seconds[name].append(to_land)
                 responded[name].append(to_response)
                 measured[name] += to_land
-                if dumps[name]:
+                if name in store.consumers:
+                    published, drain_wait = store.round_drained(name)
+                    landed[name].append(published)
+                    drain_waits[name].append(drain_wait)
+                elif dumps[name]:
                     landed[name].append(sum(p.stat().st_size for p in dumps[name].glob("*.safetensors")))
+                if dumps[name]:
+                    on_disk[name].append(directory_bytes(dumps[name]) - disk_before)
                 clear_files(dumps[name])
             run.checkpoint(result())
             run.progress(f"prefill: round {round_index + 1}: " + ", ".join(f"{n} {s[-1]:.2f}s" for n, s in seconds.items()))
         rss = {name: rss_parts_kib(server) for name, server in servers.items()}
     finally:
         stop_all(servers.values())  # a dumping server logs its timings as it exits
+        consumers_at_exit = store.stop()
     return result(rss, {name: dump_profile(servers[name], measured[name])
-                        for name in names if contenders[name].dump_dir})
+                        for name in names if contenders[name].dump_dir}, consumers_at_exit)
 
 
 def suite_hidden(run: BenchRun) -> dict:
@@ -557,10 +612,12 @@ def suite_trace(run: BenchRun) -> dict:
     (scripts/bench/trace.py), to tell slower kernels from an idle forward stream."""
     preset = run.preset
     contenders = prefill_contenders(run)
+    store = local_store(run, contenders)
     servers, results = {}, {}
     try:
+        store.start()
         for index, (name, contender) in enumerate(contenders.items()):
-            servers[name] = start_contender(run, f"trace-{index}", name, contender)
+            servers[name] = start_contender(run, f"trace-{index}", name, contender, store)
             servers[name].wait_listening()
         for index, (name, server) in enumerate(servers.items()):
             server.wait_ready()
@@ -581,6 +638,7 @@ def suite_trace(run: BenchRun) -> dict:
             run.progress(f"trace: {name}: round {plain:.2f}s, profiled {profiled:.2f}s")
     finally:
         stop_all(servers.values())
+        store.stop()
     return results
 
 

@@ -64,6 +64,11 @@ def clear_files(dump_dir: Optional[Path]) -> None:
         path.unlink()
 
 
+def directory_bytes(directory: Path) -> int:
+    """The bytes of every file under `directory`: what a dump left on its filesystem."""
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
 def dd_rate(directory: Path, megabytes: int) -> float:
     """Bytes/s of `dd bs=1M conv=fsync` writing `megabytes` into `directory`."""
     target = directory / "dd.bin"

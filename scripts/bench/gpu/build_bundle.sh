@@ -1,7 +1,8 @@
 #!/bin/bash
-# Build what the GPU machine needs to run the patched SGLang 0.5.14: one `pip install --target`
-# tree packed as OUT_DIR/site.tar.xz (about 40 MiB). That machine has python 3.12 and
-# torch 2.11.0 with CUDA, no network, and takes at most 64 MiB of carried files per run.
+# Build what the GPU machine needs to run the patched SGLang 0.5.14 and the Mooncake sink: one
+# `pip install --target` tree packed as OUT_DIR/site.tar.xz (about 60 MiB). That machine has
+# python 3.12 and torch 2.11.0 with CUDA, no network, and takes at most 64 MiB of carried files
+# per run, the rest of the working tree included.
 # Usage: scripts/bench/gpu/build_bundle.sh OUT_DIR
 set -euo pipefail
 OUT=${1:?usage: build_bundle.sh OUT_DIR}
@@ -27,13 +28,55 @@ download "$WORK/kernel" sglang-kernel==0.4.4
 while read -r requirement; do
   download "$WORK/wheels" "$requirement"
 done < scripts/bench/gpu/bundle-requirements.txt
+# The Mooncake sink (SGLANG_HS_DUMP_SINK=mooncake) and a store on the machine itself: Mooncake's
+# store client, master and memory client (pruned below), and hs-connectors' layout.
+download "$WORK/wheels" mooncake-transfer-engine-non-cuda==0.3.13.post1
+download "$WORK/wheels" hs-connectors==0.9.0
 "$PY312" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WORK"/wheels/*.whl
 # sglang-kernel: only the sm90 ops. FlashAttention-3 (1.7 GB), FlashMLA and sm100 load lazily
 # and are left out, so the GPU runs use --attention-backend triton.
 (cd "$WORK/site" && unzip -q -o "$WORK"/kernel/sglang_kernel-0.4.4-*.whl \
   -x 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/flashmla_ops.abi3.so' 'sgl_kernel/sm100/*')
-# Of the scripts only py-spy (a binary), which the benchmark's profile suite runs.
+# Of Mooncake's package only what `import mooncake.store` loads (its __init__ imports
+# buffer_pool; store.so links libetcd_wrapper.so and libasio.so from its own folder, not
+# engine.so) and the two binaries a local store runs. The transfer engine's module, its
+# 42 MB bench, the connectors and the console scripts (their shebang names this machine's
+# Python) stay out. Every library of the wheel's .libs folder is linked by store.so or a binary
+# (readelf -d), the 22 MB libetcd_wrapper among them, so the folder stays whole.
+MOONCAKE_KEPT=(__init__.py buffer_pool.py store.so libetcd_wrapper.so libasio.so mooncake_master mooncake_client)
+for entry in "$WORK/site/mooncake"/*; do
+  [[ " ${MOONCAKE_KEPT[*]} " == *" $(basename "$entry") "* ]] || rm -rf "$entry"
+done
+# Of the scripts only py-spy (a binary), which the benchmark's profile suite runs, and links
+# to the store's binaries, where scripts.online.master finds them once bin/ is on PATH.
 find "$WORK/site/bin" -mindepth 1 ! -name py-spy -delete
+ln -s ../mooncake/mooncake_master ../mooncake/mooncake_client "$WORK/site/bin/"
+# The system libraries those link, transitively, that a bare image may lack (libibverbs.so.1,
+# even for TCP, with libnl; libcurl and its own; libnuma), one file per soname in system-libs/:
+# store_env.sh puts on the library path only those the GPU machine lacks. libibverbs and libnl
+# come from Debian's packages (as the Makefile's rule does: this machine need not have them),
+# the rest from where this machine's loader finds them. glibc's, libstdc++ and libgcc_s are
+# every image's, and libssl, libcrypto, libz and libffi those of the Python that runs the
+# servers there (ssl, zlib, ctypes: Ubuntu's python3.12 links them): they stay out.
+IBVERBS_PACKAGES=(libibverbs1 libnl-3-200 libnl-route-3-200)
+mkdir -p "$WORK/debs" "$WORK/site/system-libs"
+(cd "$WORK/debs" && { apt-get download "${IBVERBS_PACKAGES[@]}" || { apt-get update -qq && apt-get download "${IBVERBS_PACKAGES[@]}"; }; })
+for deb in "$WORK"/debs/*.deb; do dpkg -x "$deb" "$WORK/debs/tree"; done
+ibverbs_path=$(find "$WORK/debs/tree" -name 'lib*.so.*' -printf '%h\n' | sort -u | paste -sd:)
+linked=$(LD_LIBRARY_PATH="$ibverbs_path" ldd "$WORK/site/mooncake/store.so" "$WORK/site/mooncake/mooncake_master" \
+  "$WORK/site/mooncake/mooncake_client")
+if grep -q 'not found' <<< "$linked"; then
+  echo "libraries Mooncake links that this machine lacks:" >&2
+  grep 'not found' <<< "$linked" | sort -u >&2
+  exit 1
+fi
+awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' <<< "$linked" | sort -u | while read -r soname path; do
+  case "$soname" in
+    libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|libresolv.so.*|librt.so.*|ld-linux-*|libstdc++.so.*|libgcc_s.so.*) ;;
+    libssl.so.*|libcrypto.so.*|libz.so.*|libffi.so.*) ;;
+    *) [[ "$path" == "$WORK/site/"* ]] || cp -L "$path" "$WORK/site/system-libs/$soname" ;;
+  esac
+done
 find "$WORK/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 tar cf - -C "$WORK/site" . | xz -9 -T0 > "$OUT/site.tar.xz"
 ls -la "$OUT/site.tar.xz"

@@ -8,7 +8,8 @@
 # scripts/bench/fp8_rows.py (fp8 quantization of a forward's rows, PyTorch against the
 # kernel); any other name
 # is a scripts/bench/dump.py suite, run with the preset BENCH_PRESET (default gpu; gpu-rank:
-# a TP8 rank's compute) and, when set, --contenders "$BENCH_CONTENDERS". BENCH_DEADLINE_S, when set,
+# a TP8 rank's compute, with the Mooncake sink's contenders) and, when set, --contenders
+# "$BENCH_CONTENDERS". BENCH_DEADLINE_S, when set,
 # is bench_dump's --deadline-s, BENCH_PROMPTS its --prompts; BENCH_TIMEOUT_S, when set, stops bench_dump after that
 # many seconds, so its log and the servers' logs still reach $OUT before the call's own
 # limit. Results land in $OUT/bench-*.json, bench_dump's output in $OUT/bench-gpu*.log as
@@ -22,6 +23,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MAX_JOBS=16 GI
 xz -dc -T0 .devcarry/site.tar.xz | tar xf - -C /tmp/site || exit 2
 cp -a /tmp/site/. /tmp/site-upstream/
 PYTHONPATH=/tmp/site python3 -m scripts apply --version 0.5.14 --dir /tmp/site || exit 3
+. scripts/bench/gpu/store_env.sh /tmp/site  # the Mooncake sink's contenders and their local store
 export SGLANG_CHECKOUT=/tmp/site UPSTREAM_TREE=/tmp/site-upstream PYTHONPATH=/tmp/site:$PWD
 [ -x /tmp/site/bin/py-spy ] && export PY_SPY=/tmp/site/bin/py-spy  # the profile suite's profiler
 df -T /tmp /dev/shm | tail -2
