@@ -9,26 +9,30 @@ import sys
 
 from scripts.paths import OVERLAY_DIR
 
-FORMAT_SOURCE = OVERLAY_DIR / "sglang" / "srt" / "hidden_states_dump" / "format.py"
-MODULE_NAME = "hidden_states_dump_format"
+PACKAGE_DIR = OVERLAY_DIR / "sglang" / "srt" / "hidden_states_dump"
 
 
-def _load():
-    if MODULE_NAME in sys.modules:
-        return sys.modules[MODULE_NAME]
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, FORMAT_SOURCE)
+def _load(source: str, module_name: str):
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, PACKAGE_DIR / source)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = module  # its dataclasses look their module up by name
+    sys.modules[module_name] = module  # its dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 
 
-_format = _load()
+_format = _load("format.py", "hidden_states_dump_format")
+# What the Mooncake sink puts in a store and its control directory (imports nothing more).
+_store_layouts = _load("store_layouts.py", "hidden_states_dump_store_layouts")
 
 DumpCounters = _format.DumpCounters
 DumpRecord = _format.DumpRecord
 DumpTimings = _format.DumpTimings
 FP8_ENCODING = _format.FP8_ENCODING
+LOSS_MASK_PARAM = _format.LOSS_MASK_PARAM
+META_INFO_KEY = _format.META_INFO_KEY
+REF_CHANNEL = _store_layouts.REF_CHANNEL
 MANIFEST_NAME = _format.MANIFEST_NAME
 ManifestFollower = _format.ManifestFollower
 TEMP_PREFIX = _format.TEMP_PREFIX
@@ -38,5 +42,6 @@ manifest_name = _format.manifest_name
 manifest_paths = _format.manifest_paths
 quantize_rows = _format.quantize_rows
 read_manifest = _format.read_manifest
+sample_name = _format.sample_name
 safetensors_header = _format.safetensors_header
 tensor_bytes = _format.tensor_bytes

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Deque, Dict, List, Optional, Tuple
 
-from scripts.dump_format import ManifestFollower
+from scripts.dump_format import LOSS_MASK_PARAM, META_INFO_KEY, REF_CHANNEL, ManifestFollower, sample_name
 from scripts.dumps.chat import LOSS_MASKS, ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import Rejected, Sample, open_dataset, read_samples
 from scripts.dumps.progress import human_bytes, progress_bar
@@ -52,11 +52,6 @@ from scripts.dumps.samples import mask_runs
 from scripts.toolchain.errors import USAGE, ToolError
 
 SERVER_LOG = "server.log"
-# requests.LOSS_MASK_PARAM: the custom parameter a dumping server reads a loss mask from.
-LOSS_MASK_PARAM = "hidden_states_dump_loss_mask"
-# SpecForge's channel file in a store sink's control directory (store_layouts.REF_CHANNEL)
-# and the sidecars its consumer and producer keep beside it.
-REF_CHANNEL = "refs.jsonl"
 RETRYABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
 
 
@@ -143,6 +138,8 @@ class Prepared:
     input_ids: List[int]
     loss_mask: List[int]
     sent_to: Optional[Endpoint] = None  # the server it was last sent to
+    posts: int = 0  # requests sent for it, to any server
+    reported: Optional[str] = None  # the sample its last answer's meta_info named
 
 
 @dataclass
@@ -213,7 +210,12 @@ class Generation:
             self._fail(prepared, f"the dump of {prepared.rid!r} has {entry['num_tokens']} tokens, the sample "
                                  f"{len(prepared.input_ids)}: was it dumped with another tokenizer or template?")
             return
-        self.samples_file.append(samples_line(prepared.rid, prepared.line, prepared.loss_mask))
+        # One request, one answer: the sample its response named is the one its manifest lists.
+        if sent and prepared.posts == 1 and prepared.reported != sample_name(entry):
+            self._fail(prepared, f"the server's answer to {prepared.rid!r} named sample {prepared.reported!r}, "
+                                 f"its manifest lists {sample_name(entry)!r}")
+            return
+        self.samples_file.append(samples_line(prepared.rid, prepared.line, prepared.loss_mask, sample_name(entry)))
         self.done.add(prepared.rid)
         if sent:
             self.tally.dumped += 1
@@ -287,6 +289,7 @@ class Generation:
                 time.sleep(delay)
                 delay = min(delay * 2, 30.0)
             try:
+                prepared.posts += 1
                 answer = endpoint.client.post("/generate", body)
             except urllib.error.HTTPError as e:
                 if 400 <= e.code < 500:
@@ -297,10 +300,13 @@ class Generation:
             except RETRYABLE as e:
                 error = str(e) or type(e).__name__
                 continue
-            finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
+            meta_info = answer.get("meta_info") or {}
+            finish = meta_info.get("finish_reason") or {}
             if finish.get("type") == "abort":
                 error = f"the server aborted it: {finish.get('message')}"
                 continue
+            reported = meta_info.get(META_INFO_KEY) or [None]
+            prepared.reported = sample_name(reported[0]) if reported[0] else None
             return None
         endpoint.unreachable.set()
         raise _Unanswered(f"not answered by {endpoint.url} after {self.retries + 1} attempts: {error}")

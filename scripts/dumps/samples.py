@@ -4,10 +4,13 @@ dump's files with their samples.
 samples.jsonl, one line per dumped sample, appended only once the dump's manifest lists the
 sample's file:
 
-    {"rid": "a1", "line": 17, "num_tokens": 311, "loss_mask": [40, 52, 9, 210]}
+    {"rid": "a1", "line": 17, "num_tokens": 311, "loss_mask": [40, 52, 9, 210],
+     "sample": "20261203T101500-1a2b3c4d-000000017.safetensors"}
 
 `loss_mask` is run-length: counts of zeros and ones in turn, starting with zeros (0 first
-when the mask starts with a one). rejected.jsonl, one line per record that is not a sample:
+when the mask starts with a one). `sample` is the sample's file, or its id in a Mooncake
+store (format.sample_name of its manifest line); generate checks that the server's answer
+named the same sample (meta_info["hidden_states_dump"]). rejected.jsonl, one line per record that is not a sample:
 
     {"line": 4, "rid": null, "kind": "not_json", "reason": "not JSON: Expecting value: ..."}
 
@@ -85,8 +88,9 @@ class AppendOnlyLines:
         os.close(self._fd)
 
 
-def samples_line(rid: str, line: int, loss_mask: List[int]) -> dict:
-    return {"rid": rid, "line": line, "num_tokens": len(loss_mask), "loss_mask": mask_runs(loss_mask)}
+def samples_line(rid: str, line: int, loss_mask: List[int], sample: str) -> dict:
+    return {"rid": rid, "line": line, "num_tokens": len(loss_mask), "loss_mask": mask_runs(loss_mask),
+            "sample": sample}
 
 
 def file_manifest(dump_dir: Path) -> List[dict]:

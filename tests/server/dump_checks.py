@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from scripts.dump_format import DumpCounters, DumpRecord
+from scripts.dump_format import META_INFO_KEY, DumpCounters, DumpRecord
 from scripts.dumps.server import Server, has_gpu, runtime_env, wait_for_manifest
 from tests.server import oracle_hooks
 
@@ -116,8 +116,11 @@ def run_one_prefill(model: Path, tmp_path: Path, num_layers: int, layers_env, pr
     with server:
         server.wait_ready()
         assert not (dump_dir / "manifest.jsonl").exists(), "the server's warmup request was dumped"
-        server.generate(prompt, max_new_tokens=2)
+        answer = server.generate(prompt, max_new_tokens=2)
         manifest = wait_for_manifest(dump_dir, 1)
+    # The response names the file its manifest line lists (meta_info's one entry).
+    [reported] = answer["meta_info"][META_INFO_KEY]
+    assert reported["sink"] == "files" and reported["file"] == manifest[0]["file"], (reported, manifest)
     return prompt, dump_dir, manifest, oracle_hooks.residual_streams(oracle_dir, num_layers, prompt_len)
 
 

@@ -51,15 +51,21 @@ def test_folders_of_2000(tmp_path):
 def test_loss_masks_from_the_samples_file(export_dump, tmp_path, capsys):
     entries = read_manifest(str(export_dump))
     masks = {e["rid"]: [n % 2 for n in range(e["num_tokens"])] for e in entries}
+    files = {e["rid"]: e["file"] for e in entries}
     path = tmp_path / SAMPLES_NAME
-    path.write_text("".join(json.dumps(samples_line(rid, n, mask)) + "\n" for n, (rid, mask) in enumerate(masks.items())))
+
+    def write_samples():
+        path.write_text("".join(json.dumps(samples_line(rid, n, mask, files[rid])) + "\n"
+                                for n, (rid, mask) in enumerate(masks.items())))
+
+    write_samples()
     assert export_specforge.main([str(export_dump), str(tmp_path / "out"), "--samples", str(path)]) == 0
     for n, entry in enumerate(entries):
         sample = torch.load(tmp_path / "out" / "rows_0-2000" / f"data_{n}.ckpt")
         assert sample["loss_mask"].tolist() == masks[entry["rid"]]
 
     masks["export-2"] = masks["export-2"][:-1]
-    path.write_text("".join(json.dumps(samples_line(rid, n, mask)) + "\n" for n, (rid, mask) in enumerate(masks.items())))
+    write_samples()
     assert export_specforge.main([str(export_dump), str(tmp_path / "bad"), "--samples", str(path)]) == 1
     assert "the loss mask of 'export-2' has 63 values, its dump has 64 tokens" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()  # checked before anything is written

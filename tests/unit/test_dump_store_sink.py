@@ -5,13 +5,14 @@ waited out and nothing is evicted; no store, a clear error at startup."""
 
 import os
 import time
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 
 from sglang.srt.hidden_states_dump.config import DumpConfig, MooncakeSettings
-from sglang.srt.hidden_states_dump.format import load_dump, read_manifest
+from sglang.srt.hidden_states_dump.format import META_INFO_KEY, load_dump, read_manifest
 from sglang.srt.hidden_states_dump.requests import DumpRequest
 from sglang.srt.hidden_states_dump.store_layouts import REF_CHANNEL
 from tests.unit.dump_standins import (
@@ -66,18 +67,27 @@ def client(master):
 
 
 def feed(dumper):
-    """Two requests, one of them prefilled in two chunks; the first with a loss mask."""
-    run_forward(dumper, [(DumpRequest("a", 5, (2, 3)), prompt(100, 5), 0), (DumpRequest("b", 7), prompt(200, 4), 0)])
-    run_forward(dumper, [(DumpRequest("b", 7), prompt(204, 3), 4)])
+    """Two requests, one of them prefilled in two chunks; the first with a loss mask. Returns
+    where each request's response says its sample is (the scheduler's Req stood in for)."""
+    reqs = {rid: SimpleNamespace(customized_info=None) for rid in ("a", "b")}
+    run_forward(dumper, [(DumpRequest("a", 5, (2, 3), reqs["a"]), prompt(100, 5), 0),
+                         (DumpRequest("b", 7, None, reqs["b"]), prompt(200, 4), 0)])
+    run_forward(dumper, [(DumpRequest("b", 7, None, reqs["b"]), prompt(204, 3), 4)])
+    reported = {}
+    for rid, req in reqs.items():
+        [reported[rid]] = req.customized_info[META_INFO_KEY]
+    return reported
 
 
 def file_dump(tmp_path, dtype=None):
-    """The same requests through the file sink."""
+    """The same requests through the file sink; each response names its file."""
     files_dir = tmp_path / "files"
     files_dir.mkdir()
     dumper = start_dumper(files_dir, LAYERS, dtype=dtype)
-    feed(dumper)
+    reported = feed(dumper)
     lines = wait_for_manifest(files_dir, ["a", "b"])
+    for line in lines:
+        assert reported[line["rid"]] == {"sink": "files", "manifest": "manifest.jsonl", "file": line["file"]}
     return {line["rid"]: load_dump(os.path.join(files_dir, line["file"]), raw=True) for line in lines}
 
 
@@ -90,10 +100,17 @@ def test_specforge_layout_equals_the_file_sink_and_specforge_reads_it(tmp_path, 
     control = tmp_path / "control"
     control.mkdir()
     dumper = start_dumper(control, LAYERS)
-    feed(dumper)
+    reported = feed(dumper)
     wait_for_stats(dumper, lambda counters: counters["files"] == 2)
     lines = {line["rid"]: line for line in read_manifest(str(control))}
     assert sorted(os.listdir(control)) == ["manifest.jsonl", REF_CHANNEL]  # no rows on disk
+    for rid, line in lines.items():  # each response: SpecForge's spec_capture fields and the keys
+        assert reported[rid] == {
+            "sink": "mooncake", "layout": "specforge", "store_id": "unit-specforge", "sample_id": line["sample_id"],
+            "gen": 1, "aux_layer_ids": LAYERS,
+            "features": {name: {"shape": spec["shape"], "dtype": spec["dtype"]} for name, spec in line["objects"].items()},
+            "keys": {name: spec["key"] for name, spec in line["objects"].items()},
+        }
 
     refs = StreamingRefChannel(str(control / REF_CHANNEL)).poll()
     assert [ref.source_task_id for ref in refs] == ["a", "b"]
@@ -124,8 +141,11 @@ def test_hs_connectors_layout_equals_the_file_sink_and_get_sample_reads_it(tmp_p
     control = tmp_path / "control"
     control.mkdir()
     dumper = start_dumper(control, LAYERS, dtype=dtype)
-    feed(dumper)
+    reported = feed(dumper)
     wait_for_stats(dumper, lambda counters: counters["files"] == 2)
+    for line in read_manifest(str(control)):  # each response: the transfer manifest
+        assert reported[line["rid"]]["transfer_manifest"] == line["transfer_manifest"]
+        assert reported[line["rid"]]["sample_id"] == line["sample_id"]
     env = master.env()
     reader = MooncakeHiddenStatesStore(MooncakeStoreConfig(
         local_hostname=env["MOONCAKE_LOCAL_HOSTNAME"], metadata_server=env["MOONCAKE_METADATA_SERVER"],

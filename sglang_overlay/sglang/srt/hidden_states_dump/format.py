@@ -35,6 +35,13 @@ FORMAT_VERSION = "1"
 MANIFEST_NAME = "manifest.jsonl"
 MANIFEST_FILE = re.compile(r"^manifest(?:-(?!dp[0-9]+\.jsonl$)(.+?))?(?:-dp([1-9][0-9]*))?\.jsonl$")
 TEMP_PREFIX = ".partial-"
+# What a client and a dumping server exchange beside the prompt: the key of a request's
+# sampling_params.custom_params that gives its prompt's loss mask, run-length encoded (zeros,
+# ones, zeros, ...), for the sinks whose layout holds one; and the key of a dumped request's
+# /generate meta_info that says where its sample is (a list holding one entry: SGLang's
+# per-request customized_info reaches meta_info as a list).
+LOSS_MASK_PARAM = "hidden_states_dump_loss_mask"
+META_INFO_KEY = "hidden_states_dump"
 # What a layer id means, in every file's metadata and every manifest line.
 LAYER_CONVENTION = (
     "id i: the residual stream entering decoder layer i (0: the embedding output; "
@@ -216,6 +223,12 @@ def parse_manifest_line(line: bytes) -> Optional[dict]:
     except ValueError:
         return None
     return entry if isinstance(entry, dict) else None
+
+
+def sample_name(entry: dict) -> str:
+    """A sample's name in a manifest line or in the location a response reports
+    (META_INFO_KEY): its id in a store, or its file."""
+    return entry["sample_id"] if "sample_id" in entry else entry["file"]
 
 
 def read_manifest(dump_dir: str) -> List[dict]:

@@ -3,16 +3,14 @@
 With dumping off every helper here returns after one cached bool check.
 """
 
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
 
 from sglang.srt.hidden_states_dump.config import dump_enabled
+from sglang.srt.hidden_states_dump.format import LOSS_MASK_PARAM, META_INFO_KEY
 
 # Requests the server sends itself (startup warmup, /health_generate) are never dumped.
 INTERNAL_RID_PREFIXES = ("WARMUP_", "HEALTH_CHECK")
-# The key of a request's sampling_params.custom_params that gives its prompt's loss mask,
-# run-length encoded (zeros, ones, zeros, ...), for the sinks whose layout holds one.
-LOSS_MASK_PARAM = "hidden_states_dump_loss_mask"
 
 
 @dataclass(frozen=True)
@@ -22,6 +20,8 @@ class DumpRequest:
     rid: str
     prompt_len: int
     loss_mask_runs: Optional[Tuple[int, ...]] = None  # None: every prompt token
+    # The scheduler's Req, whose response reports where the sample is (None: nowhere)
+    req: Any = field(default=None, compare=False, repr=False)
 
 
 def wants_dump(req) -> bool:
@@ -52,7 +52,7 @@ def requests_to_dump(reqs) -> Optional[List[Optional[DumpRequest]]]:
     if not dump_enabled():
         return None
     return [
-        DumpRequest(req.rid, len(req.origin_input_ids), loss_mask_runs(req)) if wants_dump(req) else None
+        DumpRequest(req.rid, len(req.origin_input_ids), loss_mask_runs(req), req) if wants_dump(req) else None
         for req in reqs
     ]
 
@@ -65,6 +65,15 @@ def loss_mask_runs(req) -> Optional[Tuple[int, ...]]:
         return None
     runs = custom_params.get(LOSS_MASK_PARAM)
     return tuple(runs) if isinstance(runs, (list, tuple)) else None
+
+
+def report_location(req, location: dict) -> None:
+    """Put where a request's sample will be (once the writer publishes it) in the request's
+    response: meta_info[META_INFO_KEY], through the Req's customized_info, which the
+    scheduler sends with the request's first output."""
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info[META_INFO_KEY] = [location]
 
 
 def holds_dumped_request(requests: Optional[List[Optional[DumpRequest]]]) -> bool:

@@ -147,6 +147,38 @@ def packed_tensors(tensors: SampleTensors) -> SampleTensors:
     }
 
 
+def packed_manifest(store_id: str, sample: str, tensors: SampleTensors) -> dict:
+    """The transfer manifest of a sample whose dump tensors are `tensors`, its offsets by
+    hs-connectors' own packed_layout."""
+    import torch
+    from hs_connectors.mooncake_store import packed_layout
+
+    packed = packed_tensors(tensors)
+    specs, total = packed_layout(
+        {name: (tuple(shape), getattr(torch, dtype)) for name, (dtype, shape) in packed.items()}
+    )
+    return transfer_manifest(packed_handle(store_id, sample), specs, total, packed["loss_mask"][1][0])
+
+
+def sample_location(layout: str, store_id: str, sample: str, tensors: SampleTensors,
+                    layer_ids: List[int]) -> dict:
+    """Where a sample is in the store, as its request's response reports it: in SpecForge's
+    layout the fields of its spec_capture (store_id, sample_id, gen, aux_layer_ids, each
+    feature's shape and dtype) and each object's key; in hs-connectors' its transfer manifest."""
+    location = {"sink": "mooncake", "layout": layout, "store_id": store_id, "sample_id": sample}
+    if layout == "specforge":
+        objects = specforge_objects(store_id, sample, tensors)
+        location.update(
+            gen=GENERATION,
+            aux_layer_ids=list(layer_ids),
+            features={name: {"shape": spec["shape"], "dtype": spec["dtype"]} for name, spec in objects.items()},
+            keys={name: spec["key"] for name, spec in objects.items()},
+        )
+    else:
+        location["transfer_manifest"] = packed_manifest(store_id, sample, tensors)
+    return location
+
+
 def transfer_manifest(handle: str, tensor_specs: Dict[str, dict], total_bytes: int, num_tokens: int) -> dict:
     """hs-connectors' transfer manifest (version 1) of one packed object; `tensor_specs` as
     its packed_layout makes them."""

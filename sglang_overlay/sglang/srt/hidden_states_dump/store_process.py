@@ -253,18 +253,11 @@ class StoreWriterProcess(files.WriterProcess):
     def put_packed(self, sample: str, rows, entry: dict, loss_mask: List[int]):
         """One packed object, by hs-connectors' own packed_layout and put_sample; a failure
         other than a full store puts the sample's error marker."""
-        from hs_connectors.mooncake_store import packed_layout
-
-        tensors = store_layouts.packed_tensors(
-            {name: (dtype, shape) for name, (dtype, shape, _) in rows.items()}
-        )
-        specs, total = packed_layout(
-            {name: (shape, getattr(torch, dtype)) for name, (dtype, shape) in tensors.items()}
-        )
-        handle = store_layouts.packed_handle(self.store_id, sample)
-        manifest = store_layouts.transfer_manifest(handle, specs, total, len(loss_mask))
+        dump_tensors = {name: (dtype, shape) for name, (dtype, shape, _) in rows.items()}
+        manifest = store_layouts.packed_manifest(self.store_id, sample, dump_tensors)
+        total = manifest["metadata"]["total_aligned_bytes"]
         values = {
-            name: self.tensor(rows[name]) for name in tensors if name != "loss_mask"
+            name: self.tensor(rows[name]) for name in manifest["tensors"] if name != "loss_mask"
         }
         values["loss_mask"] = torch.tensor(loss_mask, dtype=torch.int64)
         try:

@@ -11,12 +11,16 @@ import os
 import sys
 from typing import Dict, List
 
-from sglang.srt.hidden_states_dump import store_process
+from sglang.srt.hidden_states_dump import store_layouts
 from sglang.srt.hidden_states_dump.config import DumpConfig
 from sglang.srt.hidden_states_dump.format import dtype_name
 from sglang.srt.hidden_states_dump.host_buffers import HostBuffers
 from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
 from sglang.srt.hidden_states_dump.writer import WriteJob, new_run_id
+
+# The writer process's script, run by its path (importing it here would put its folder's
+# modules on the scheduler's sys.path under their bare names).
+STORE_PROCESS_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_process.py")
 
 
 class StoreDumpWriter(ProcessDumpWriter):
@@ -43,8 +47,25 @@ class StoreDumpWriter(ProcessDumpWriter):
     def command(self, fd: int, dump_dir: str, manifest_name: str, threads: int) -> List[str]:
         """store_process.py as a script: the server's interpreter and site-packages (torch,
         mooncake, hs-connectors), not its environment's PYTHONPATH."""
-        return [sys.executable, "-I", store_process.__file__, str(fd), dump_dir, manifest_name,
+        return [sys.executable, "-I", STORE_PROCESS_SCRIPT, str(fd), dump_dir, manifest_name,
                 str(threads), str(os.getpid()), json.dumps(self.settings)]
+
+    def location(self, job: WriteJob) -> dict:
+        """The sample's id, and its keys or transfer manifest, from the job's shapes alone
+        (its rows need not have landed); the writer process names it alike."""
+        first = job.chunks[0]
+        num_tokens = sum(chunk.end - chunk.start for chunk in job.chunks)
+        tensors = {}
+        for name in first.rows.names():
+            rows = first.take(name)
+            tensors[name] = (dtype_name(rows.dtype), (num_tokens, *rows.shape[1:]))
+        sample = store_layouts.sample_id(
+            self.settings["writer_id"], self.settings["dp_rank"], self.run_id, job.sequence
+        )
+        return store_layouts.sample_location(
+            self.settings["layout"], self.settings["store_id"], sample, tensors,
+            json.loads(self.metadata["layer_ids"]),
+        )
 
     def job_message(self, job: WriteJob, contents) -> tuple:
         tensors = [

@@ -31,7 +31,7 @@ from sglang.srt.hidden_states_dump.format import (
     tensor_bytes,
 )
 from sglang.srt.hidden_states_dump.host_buffers import Chunk
-from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.hidden_states_dump.requests import DumpRequest, report_location
 from sglang.srt.hidden_states_dump.stats import DumpStats
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,14 @@ class DumpWriter:
             blocked = time.perf_counter() - started
             self.stats.add(seconds=dict(blocked_ms=blocked))
         self.sequence += 1
+        if request.req is not None:
+            report_location(request.req, self.location(job))
         return blocked
+
+    def location(self, job: WriteJob) -> dict:
+        """Where a queued job's sample will be once its manifest line is published: what
+        its request's response reports (and its manifest line says)."""
+        return {"sink": "files", "manifest": self.manifest_name, "file": file_name(self.run_id, job.sequence)}
 
     def drain(self, timeout: float) -> int:
         """Wait until every submitted request is written (or has failed), at most
