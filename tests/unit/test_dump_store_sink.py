@@ -224,8 +224,9 @@ def test_unpinned_objects_are_evicted_when_the_store_fills(small_master):
     config.replica_num = 1
     data = bytes(2 << 20)
     keys = [f"unit-unpinned/{i}" for i in range(40)]
+    # 80 MiB into 32: some puts are refused, or (the store evicting as it goes) all succeed
+    # and older ones go; either way some of those stored are lost.
     stored = [key for key in keys if store.put(key, data, config) == 0]
-    assert len(stored) < len(keys), "40 puts of 2 MiB into a 32 MiB store all succeeded"
     deadline = time.monotonic() + 10
     while not (lost := [key for key in stored if store.get_size(key) < 0]) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -95,6 +95,7 @@ def test_a_writer_process_that_dies_fails_every_file_and_nothing_waits(dump_dir,
     dumper = start_dumper(dump_dir, [1])
     run_forward(dumper, [(DumpRequest("before", 4), prompt(100, 4), 0)])
     wait_for_manifest(dump_dir, ["before"])
+    wait_for_stats(dumper, lambda c: c["files"] == 1)  # its answer read, before the kill
 
     os.kill(dumper.writer.process.pid, signal.SIGKILL)
     dumper.writer.process.wait()
