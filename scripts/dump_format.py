@@ -23,8 +23,10 @@ def _load(source: str, module_name: str):
 
 
 _format = _load("format.py", "hidden_states_dump_format")
-# What the Mooncake sink puts in a store and its control directory (imports nothing more).
+# What the Mooncake sink puts in a store and its control directory, and the MOONCAKE_*
+# settings a store's clients read (each imports nothing more).
 _store_layouts = _load("store_layouts.py", "hidden_states_dump_store_layouts")
+_store_settings = _load("store_settings.py", "hidden_states_dump_store_settings")
 
 DumpCounters = _format.DumpCounters
 DumpRecord = _format.DumpRecord
@@ -32,6 +34,7 @@ DumpTimings = _format.DumpTimings
 FP8_ENCODING = _format.FP8_ENCODING
 LOSS_MASK_PARAM = _format.LOSS_MASK_PARAM
 META_INFO_KEY = _format.META_INFO_KEY
+MooncakeSettings = _store_settings.MooncakeSettings
 REF_CHANNEL = _store_layouts.REF_CHANNEL
 MANIFEST_NAME = _format.MANIFEST_NAME
 ManifestFollower = _format.ManifestFollower

@@ -1,6 +1,8 @@
 #!/bin/bash
 # make test-matrix: for each release given, its unit tests, then its whole server suite
-# (releases in FULL_SERVER_SUITE) or make test-warmup, the whole-suite releases first. With
+# (releases in FULL_SERVER_SUITE) or make test-warmup, the whole-suite releases first; the
+# other releases' unit tests leave out the dump's own machinery (same_on_every_release),
+# which the whole-suite releases run. With
 # TEST_LANES > 1 the releases run in lanes side by side, the whole-suite releases one per
 # lane (for hosts with cores to spare: on two cores a CPU-bound server test timed out). With more
 # than one lane each release's output goes to .cache/test-matrix/<version>.log, printed
@@ -21,9 +23,9 @@ for version in "$@"; do whole_suite "$version" && ordered+=("$version"); done
 for version in "$@"; do whole_suite "$version" || ordered+=("$version"); done
 
 test_release() {  # test_release VERSION: its unit tests, then its server tests
-    local server=test-warmup
-    whole_suite "$1" && server=test-server
-    "$make" --no-print-directory test-unit "$server" SGLANG_VERSION="$1" "${dir_arg[@]}"
+    local server=test-warmup markers="not same_on_every_release"
+    whole_suite "$1" && server=test-server markers=
+    "$make" --no-print-directory test-unit "$server" SGLANG_VERSION="$1" UNIT_MARKERS="$markers" "${dir_arg[@]}"
     local status=$?
     [ -n "${PRUNE_RUNTIMES:-}" ] && rm -rf ".venv/sglang-$1"
     return $status

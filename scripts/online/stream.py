@@ -31,13 +31,13 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass
+import dataclasses
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Set
 
 import torch
 
-from scripts.dump_format import FP8_ENCODING, ManifestFollower, dequantize_rows
+from scripts.dump_format import FP8_ENCODING, ManifestFollower, MooncakeSettings, dequantize_rows
 
 # Created in the control directory once every sample is published: the stream ends there.
 CLOSED_MARKER = ".closed"
@@ -48,53 +48,24 @@ SINK = "mooncake"
 OBJECT_NOT_FOUND = -704  # Mooncake's status for a key it does not hold
 BUFFER_GRANULE = 64 << 20  # read buffers grow by this much, so few are ever registered
 OBJECT_ALIGNMENT = 64
-SIZE_UNITS = {"": 1, "b": 1, "kb": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "mib": 1 << 20,
-              "gb": 1 << 30, "gib": 1 << 30, "tb": 1 << 40, "tib": 1 << 40}
 
 
-@dataclass(frozen=True)
-class StoreSettings:
+# A reader lends the store no memory, and its reads land in buffers registered for them
+# (get_into), so the client's own buffer carries next to nothing.
+READER_DEFAULTS = MooncakeSettings(global_segment_size=0, local_buffer_size=16 << 20)
+
+
+def reader_settings(environ: Mapping[str, str]) -> MooncakeSettings:
     """How a trainer's process reaches the store: the MOONCAKE_* variables the servers'
-    writers read, with the same defaults, but for the local buffer: reads land in buffers
-    registered for them (get_into), so the client's own buffer carries next to nothing.
-    A reader lends the store no memory (a global segment of 0)."""
+    writers read (store_settings), with a reader's defaults."""
+    settings = MooncakeSettings.from_env(environ, defaults=READER_DEFAULTS)
+    return dataclasses.replace(settings, global_segment_size=0)
 
-    master_server_addr: str = "localhost:50051"
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
-    local_buffer_size: int = 16 << 20
-    rdma_devices: str = ""
-    local_hostname: str = "localhost"
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> "StoreSettings":
-        defaults = cls()
-
-        def get(name: str, default) -> str:
-            value = environ.get(name)
-            return str(default) if value is None else value.strip()
-
-        protocol = get("MOONCAKE_PROTOCOL", defaults.protocol).lower()
-        if protocol not in ("tcp", "rdma"):
-            raise ValueError(f"MOONCAKE_PROTOCOL={protocol!r}: use tcp or rdma.")
-        buffer_size = get("MOONCAKE_LOCAL_BUFFER_SIZE", defaults.local_buffer_size)
-        size = re.match(r"^([0-9]+)\s*([A-Za-z]*)$", buffer_size)
-        if not size or size.group(2).lower() not in SIZE_UNITS:
-            raise ValueError(f"MOONCAKE_LOCAL_BUFFER_SIZE={buffer_size!r}: give a size in bytes, "
-                             f"e.g. 16777216 or 16MB.")
-        return cls(
-            master_server_addr=get("MOONCAKE_MASTER_SERVER_ADDR", defaults.master_server_addr),
-            metadata_server=get("MOONCAKE_METADATA_SERVER", defaults.metadata_server),
-            protocol=protocol,
-            local_buffer_size=int(size.group(1)) * SIZE_UNITS[size.group(2).lower()],
-            rdma_devices=get("MOONCAKE_RDMA_DEVICES", defaults.rdma_devices),
-            local_hostname=get("MOONCAKE_LOCAL_HOSTNAME", defaults.local_hostname),
-        )
-
-    def setup_error(self, status) -> str:
-        return (f"could not join the Mooncake store whose master is {self.master_server_addr} "
-                f"(MOONCAKE_MASTER_SERVER_ADDR; metadata {self.metadata_server}, protocol {self.protocol}, "
-                f"this host {self.local_hostname}): setup returned {status}. Is mooncake_master running there?")
+def setup_error(settings: MooncakeSettings, status) -> str:
+    return (f"could not join the Mooncake store whose master is {settings.master_server_addr} "
+            f"(MOONCAKE_MASTER_SERVER_ADDR; metadata {settings.metadata_server}, protocol {settings.protocol}, "
+            f"this host {settings.local_hostname}): setup returned {status}. Is mooncake_master running there?")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -109,7 +80,7 @@ class StoreReader:
     """One process's client of the store: reads objects into one registered buffer (grown,
     and registered again, only when a sample needs more) and removes objects."""
 
-    def __init__(self, settings: StoreSettings):
+    def __init__(self, settings: MooncakeSettings):
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as error:
@@ -119,7 +90,7 @@ class StoreReader:
         status = self._store.setup(settings.local_hostname, settings.metadata_server, 0, settings.local_buffer_size,
                                    settings.protocol, settings.rdma_devices, settings.master_server_addr)
         if status != 0:
-            raise ConnectionError(settings.setup_error(status))
+            raise ConnectionError(setup_error(settings, status))
         self._buffer: Optional[torch.Tensor] = None
 
     def read(self, rid: str, objects: Dict[str, dict]) -> Dict[str, torch.Tensor]:
@@ -168,7 +139,7 @@ class StoreReader:
         return buffer
 
 
-def hs_connectors_store(settings: StoreSettings):
+def hs_connectors_store(settings: MooncakeSettings):
     """hs-connectors' own reader of its layout, joined as a reader (no global segment)."""
     from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
 
@@ -179,7 +150,7 @@ def hs_connectors_store(settings: StoreSettings):
     try:
         return MooncakeHiddenStatesStore(config).setup()
     except RuntimeError as error:
-        raise ConnectionError(settings.setup_error(error)) from error
+        raise ConnectionError(setup_error(settings, error)) from error
 
 
 def check_entry(entry: dict) -> None:
@@ -324,7 +295,7 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
         self.rank = rank
         self.world_size = world_size
         self.fields = fields
-        self.settings = StoreSettings.from_env(os.environ if store_env is None else store_env)
+        self.settings = reader_settings(os.environ if store_env is None else store_env)
         self.idle_timeout_s = idle_timeout_s
         self.poll_interval_s = poll_interval_s
         self._connections: Optional[ProcessConnections] = None

@@ -19,6 +19,17 @@ assert os.path.realpath(sglang.__file__).startswith(
 RELEASE = tuple(int(part) for part in os.environ["SGLANG_VERSION"].split("."))
 
 
+def pytest_configure(config):
+    # The modules that test the dump's own machinery with real processes (writer processes,
+    # manifests, several writers, the Mooncake sink): they call nothing of SGLang's, so CI runs
+    # them with the release whose whole server suite it runs, and `make test-matrix` deselects
+    # them (-m "not same_on_every_release") for the other releases, as it runs only their
+    # test-warmup. `make test-unit SGLANG_VERSION=<v>` runs them all.
+    config.addinivalue_line(
+        "markers", "same_on_every_release: the dump's own machinery, calling nothing of SGLang's"
+    )
+
+
 @pytest.fixture
 def dump_dir(tmp_path):
     path = tmp_path / "dump"

@@ -22,6 +22,8 @@ from tests.unit.dump_standins import (
     wait_for_stats,
 )
 
+pytestmark = pytest.mark.same_on_every_release
+
 
 def test_every_manifest_line_names_a_complete_file(dump_dir):
     # wait_for_manifest loads the file of every line each time it reads the manifest,

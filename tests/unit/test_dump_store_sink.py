@@ -25,6 +25,8 @@ from tests.unit.dump_standins import (
     wait_for_stats,
 )
 
+pytestmark = pytest.mark.same_on_every_release
+
 mooncake_store = pytest.importorskip("mooncake.store")
 from scripts.online.master import MooncakeMaster  # noqa: E402
 

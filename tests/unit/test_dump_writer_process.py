@@ -7,6 +7,8 @@ import os
 import signal
 import threading
 
+import pytest
+
 from sglang.srt.hidden_states_dump import copier, files, format
 from sglang.srt.hidden_states_dump.format import read_manifest
 from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
@@ -24,6 +26,8 @@ from tests.unit.dump_standins import (
     wait_for_stats,
     wait_for_writer,
 )
+
+pytestmark = pytest.mark.same_on_every_release
 
 LAYER_IDS = [0, 2, 4]
 

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from sglang.srt.hidden_states_dump.format import TEMP_PREFIX, manifest_name, read_manifest
 from sglang.srt.hidden_states_dump.requests import DumpRequest
 from tests.unit.dump_standins import (
@@ -21,6 +23,8 @@ from tests.unit.dump_standins import (
     start_dumper,
     wait_for_manifest,
 )
+
+pytestmark = pytest.mark.same_on_every_release
 
 LAYER_IDS = [1, 3]
 REQUESTS = 12

@@ -23,6 +23,7 @@ The modules, each one concern:
                     puts each sample in a store instead of writing a file
     store_process   that writer process: puts, hard-pinned, then manifest lines and refs
     store_layouts   what the trainers' layouts hold (SpecForge's, hs-connectors')
+    store_settings  the MOONCAKE_* settings a store's clients read (standard library only)
     stats           counters and timings
     lifecycle       writing what is queued before a process goes
 
