@@ -1,7 +1,15 @@
+import os
+
 import pytest
 
 from scripts.dumps.tiny_model import ensure_kimi_model, ensure_model
 from tests.server.dump_checks import dump_export_prompts
+
+# A test stops its server with SIGTERM to the process group; SGLang (0.5.23) takes the
+# scheduler's exit for a crash and sleeps 5 s before py-spy and CUDA core dumps that a CPU
+# server has no use for. The servers inherit this environment (runtime_env).
+os.environ.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from tests.server.dump_checks import (
     OUTPUT_TOKEN, assert_matches_oracle, generate_body, OracleServer, post_all, random_prompts)
 from scripts.dumps.server import wait_for_manifest
 
-NUM_REQUESTS = 96
+NUM_REQUESTS = 48
 NUM_LAYERS = 3
 SLICE_BYTES = 4096  # a few rows of the test model's (rows of 3 layers and the final state)
 

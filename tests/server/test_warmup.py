@@ -25,6 +25,17 @@ from scripts.toolchain.lock import load_lock
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 
+# What every release runs here: warmup and a dump equal to SGLang's own values, the Kimi-K2.5
+# wrapper (its model file differs by release) and the seed's naive patch failing. The rest
+# checks what the same code does on every release: the overlay's config module picks the
+# default layers and refuses bad settings (tests/unit/test_dump_config.py checks each
+# message), one hook of the series calls it at startup, and the series check names whichever
+# patch is missing. Those run on the default release, whose whole server suite CI runs.
+ON_THE_DEFAULT_RELEASE = pytest.mark.skipif(
+    os.environ.get("SGLANG_VERSION") != load_lock().default,
+    reason="the same overlay code on every release; run with the default release's server suite",
+)
+
 
 def eagle3_default_layers(num_layers: int):
     return sorted({min(max(i, 0), num_layers) for i in (3, num_layers // 2 + 1, num_layers - 2)})
@@ -69,6 +80,7 @@ def test_every_capture_point_in_configured_order(model_l3, tmp_path):
     assert torch.equal(record.hidden_states[:, layers.index(0)], embedding)
 
 
+@ON_THE_DEFAULT_RELEASE
 def test_default_layers_without_q_lora(model_l5_no_q_lora, tmp_path):
     prompt, dump_dir, manifest, streams = run_one_prefill(
         model_l5_no_q_lora, tmp_path, 5, None, prompt_len=53)
@@ -149,26 +161,15 @@ def test_naive_patch_fails_on_a_deeper_model_with_upstreams_packer(model_l5_no_q
             server.wait_ready(timeout=300)
 
 
-# The settings are read and checked by the overlay's config module, the same code on every
-# release (tests/unit/test_dump_config.py checks each message); what a release changes is the
-# patched model that reads them at startup. Every release runs the first case; the others run
-# on the default release, the one whose whole server suite CI runs.
-ON_THE_DEFAULT_RELEASE = pytest.mark.skipif(
-    os.environ.get("SGLANG_VERSION") != load_lock().default,
-    reason="the same overlay check as the first case, which runs on every release",
-)
-
-
 @pytest.mark.parametrize(
     "variable, value, message",
     [
         ("SGLANG_HS_DUMP_LAYERS", "1,4", r"\[4\] out of range; the model has L=3 layers, so valid ids are 0..3"),
-        pytest.param("SGLANG_HS_DUMP_DIR", "{tmp}/a-file/dump", "is not a writable directory",
-                     marks=ON_THE_DEFAULT_RELEASE),
-        pytest.param("SGLANG_HS_DUMP_DTYPE", "int4", r"SGLANG_HS_DUMP_DTYPE='int4': use one of bf16, fp8",
-                     marks=ON_THE_DEFAULT_RELEASE),
+        ("SGLANG_HS_DUMP_DIR", "{tmp}/a-file/dump", "is not a writable directory"),
+        ("SGLANG_HS_DUMP_DTYPE", "int4", r"SGLANG_HS_DUMP_DTYPE='int4': use one of bf16, fp8"),
     ],
 )
+@ON_THE_DEFAULT_RELEASE
 def test_invalid_settings_stop_the_server_at_startup(model_l3, tmp_path, variable, value, message):
     (tmp_path / "a-file").write_text("not a directory")
     extra = {"SGLANG_HS_DUMP_DIR": str(tmp_path / "dump"), variable: value.format(tmp=tmp_path)}
@@ -206,6 +207,7 @@ def tree_without(request, tmp_path):
     ["prefill-cuda-graph-runs-dumped-prefills-eagerly", "drain-the-dump-before-a-scheduler-process-goes"],
     indirect=True,
 )
+@ON_THE_DEFAULT_RELEASE
 def test_a_series_without_a_patch_the_dump_relies_on_refuses_to_start(model_l3, tree_without, tmp_path, request):
     """A port that skipped one of these patches would lose dumps silently (a prefill replayed
     from a CUDA graph runs no hook; a stopping server kills the writer's queue): with
