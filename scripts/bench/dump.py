@@ -134,7 +134,8 @@ PRESETS = {
                                    "fp8 quantized, not copied": "quantized_not_copied"},
                      # The store holds a round of 768 prompts (22.5 GB of bf16 rows) with room
                      # to spare; its consumers keep it near empty.
-                     store_consumers=STORE_CONSUMERS, store_segment_size=32 << 30),
+                     store_consumers=STORE_CONSUMERS, store_segment_size=32 << 30,
+                     store_variants={"in the server's own memory": {"MOONCAKE_GLOBAL_SEGMENT_SIZE": "16GB"}}),
 }
 
 
@@ -213,6 +214,13 @@ def prefill_contenders(run: BenchRun) -> Dict[str, Contender]:
         control_dir = Path(tempfile.mkdtemp(prefix=f"store-control-{consumer}-", dir=preset.get("tmpfs_dir", run.work)))
         contenders[f"patched, dump on (store, {label})"] = Contender(control_dir, STORE_SINK_ENV,
                                                                      store_consumer=consumer)
+    # The same into memory the server's writer lends the store, which then holds the samples
+    # that writer puts (a copy on its host, not a transfer); acknowledged unread.
+    for index, (label, env) in enumerate(preset.get("store_variants", {}).items()):
+        control_dir = Path(tempfile.mkdtemp(prefix=f"store-control-variant-{index}-",
+                                            dir=preset.get("tmpfs_dir", run.work)))
+        contenders[f"patched, dump on (store, {label}, acknowledged unread)"] = Contender(
+            control_dir, {**STORE_SINK_ENV, **env}, store_consumer="ack")
     if run.contenders:
         contenders = {name: contender for name, contender in contenders.items()
                       if name == "patched, dump off" or re.search(run.contenders, name)}

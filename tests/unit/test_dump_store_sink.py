@@ -217,6 +217,47 @@ def test_a_restarted_writer_never_reuses_a_key(tmp_path, master, store_env):
         reader.remove(handle, force=True)
 
 
+def memory_holding(store, key: str) -> str:
+    """The endpoint of the store memory that holds `key`."""
+    return store.get_replica_desc(key)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+
+
+def test_a_writer_that_lends_the_store_memory_holds_its_own_samples(tmp_path, master, store_env):
+    """With MOONCAKE_GLOBAL_SEGMENT_SIZE set, the writer's samples go into the memory it lends
+    (a copy on its host, not a transfer), none into the store's other memory. The control: a
+    client lending memory that puts without the preference finds its objects spread over the
+    memories the store has."""
+    reader = client(master)
+    assert reader.put("unit-lent/probe", bytes(1024)) == 0  # a client lending nothing: the store's memory
+    store_memory = memory_holding(reader, "unit-lent/probe")
+    reader.remove("unit-lent/probe", force=True)
+
+    store_env("hs-connectors", MOONCAKE_GLOBAL_SEGMENT_SIZE="64MB")
+    control = tmp_path / "control"
+    control.mkdir()
+    dumper = start_dumper(control, LAYERS)
+    for _ in range(4):
+        feed(dumper)
+    wait_for_stats(dumper, lambda counters: counters["files"] == 8)
+    handles = [line["transfer_manifest"]["handle"] for line in read_manifest(str(control))]
+    holders = {memory_holding(reader, handle) for handle in handles}
+    assert len(holders) == 1 and store_memory not in holders, (holders, store_memory)
+
+    lender = mooncake_store.MooncakeDistributedStore()
+    env = master.env()
+    assert lender.setup(env["MOONCAKE_LOCAL_HOSTNAME"], env["MOONCAKE_METADATA_SERVER"], 64 << 20, 16 << 20, "tcp",
+                        "", env["MOONCAKE_MASTER_SERVER_ADDR"]) == 0
+    config = mooncake_store.ReplicateConfig()
+    config.replica_num = 1
+    config.with_hard_pin = True
+    keys = [f"unit-lent/unpreferred-{i}" for i in range(24)]
+    assert all(lender.put(key, bytes(64 << 10), config) == 0 for key in keys)
+    spread = {memory_holding(reader, key) for key in keys}  # the lender's, the store's, the writer's
+    assert len(spread) > 1 and store_memory in spread, spread
+    for key in keys + handles:
+        reader.remove(key, force=True)
+
+
 def test_unpinned_objects_are_evicted_when_the_store_fills(small_master):
     """The negative control: what a put without a hard pin (hs-connectors' own default)
     risks. Filling the store with unpinned objects loses some of them, silently, within

@@ -133,6 +133,11 @@ def connect(settings: dict):
     config = ReplicateConfig()
     config.replica_num = 1
     config.with_hard_pin = True
+    if settings["global_segment_size"]:
+        # A writer that lends the store memory puts its samples there first: Mooncake copies
+        # them in this host's memory (its local memcpy), where a put to another segment is
+        # a transfer, and trainers read them from here. They go with this process if it dies.
+        config.preferred_segment = store.get_hostname()
     return store, config
 
 
