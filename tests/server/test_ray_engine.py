@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
     not (Path(os.environ.get("SGLANG_CHECKOUT", "")) / "sglang" / "srt" / "ray").is_dir(),
     reason="this SGLang release has no Ray engine")
 
-RAY_STARTED = "Ray runtime started."
+RAY_STARTED = re.compile(re.escape("Ray runtime started."))
 HEAD_ADDRESS = re.compile(r"ray start --address='([^']+)'")
 WRITER_STARTED = re.compile(r"hidden states dump on: dir=(\S+) manifest=(\S+) sink=\S+(?: \S+=\S+)* layers=(\[[0-9, ]*\])")
 
@@ -56,11 +56,17 @@ class RayNode:
         self.log_file = open(self.log_path, "w")
         self.process = subprocess.Popen(self.args, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-        deadline = time.monotonic() + 120
-        while RAY_STARTED not in self.log():
+        self.wait_for(RAY_STARTED)
+        return self
+
+    def wait_for(self, pattern: re.Pattern, timeout: float = 120) -> re.Match:
+        """The first match of `pattern` in the node's log, once it is there (`ray start`
+        writes the head's address a moment after saying it started)."""
+        deadline = time.monotonic() + timeout
+        while not (found := pattern.search(self.log())):
             assert self.process.poll() is None and time.monotonic() < deadline, self.log()
             time.sleep(0.2)
-        return self
+        return found
 
     def __exit__(self, *exc):
         os.killpg(self.process.pid, signal.SIGKILL)  # the node's processes and its workers
@@ -91,7 +97,7 @@ def test_each_node_dumps_under_its_own_writer_id(model_l3, tmp_path):
         head = stack.enter_context(RayNode(node_env(out, "node-a"), tmp_path / "ray-head.log",
                                            ["--head", "--port", str(free_port()), "--include-dashboard", "false",
                                             "--ray-client-server-port", str(free_port()), "--temp-dir", ray_dir]))
-        address = HEAD_ADDRESS.search(head.log()).group(1)
+        address = head.wait_for(HEAD_ADDRESS).group(1)
         stack.enter_context(RayNode(node_env(out, "node-b"), tmp_path / "ray-worker.log", ["--address", address]))
         # The launcher's own writer id and layers (the default, [1, 2, 3]) reach no actor.
         launcher_env = runtime_env(SGLANG_HS_DUMP_DIR=str(out), SGLANG_HS_DUMP_WRITER_ID="launcher",

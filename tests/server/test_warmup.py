@@ -108,8 +108,9 @@ def test_kimi_k25_dumps_its_text_model(kimi_k25_l2, model_l2, tmp_path):
     its `language_model` and runs it on input embeddings (general_mm_embed_routine), not token
     ids. The default ids come from the text model's L=2 layers ([0, 2]; the one-layer vision
     tower's would be [0, 1]), so the file holds the embeddings the wrapper passed in and the
-    last layer's output. It equals the hooks' values, and bit for bit the file of the plain
-    DeepSeek-V3 model whose weights the text model has, for the same prompt."""
+    last layer's output. It equals the hooks' values, and (on the default release: the plain
+    model's path is the capture-order test's, which every release runs) bit for bit the file of
+    the plain DeepSeek-V3 model whose weights the text model has, for the same prompt."""
     layers = eagle3_default_layers(2)
     assert layers == [0, 2]
     extra_args, env = kimi_k25_server_settings()
@@ -120,6 +121,8 @@ def test_kimi_k25_dumps_its_text_model(kimi_k25_l2, model_l2, tmp_path):
     kimi = check_dump(prompt, dump_dir, manifest, streams, layers, hidden_size=256)
     embedding = load_file(kimi_k25_l2 / "model.safetensors")["language_model.model.embed_tokens.weight"]
     assert torch.equal(kimi.hidden_states[:, layers.index(0)], embedding[prompt])
+    if os.environ.get("SGLANG_VERSION") != load_lock().default:
+        return
 
     (tmp_path / "plain").mkdir()
     plain_prompt, plain_dir, plain_manifest, _ = run_one_prefill(model_l2, tmp_path / "plain", 2, None, prompt_len=41)
