@@ -59,7 +59,7 @@ class RayNode:
         self.wait_for(RAY_STARTED)
         return self
 
-    def wait_for(self, pattern: re.Pattern, timeout: float = 120) -> re.Match:
+    def wait_for(self, pattern: re.Pattern, timeout: float = 300) -> re.Match:
         """The first match of `pattern` in the node's log, once it is there (`ray start`
         writes the head's address a moment after saying it started)."""
         deadline = time.monotonic() + timeout
