@@ -10,6 +10,11 @@ from tests.server.dump_checks import dump_export_prompts
 # server has no use for. The servers inherit this environment (runtime_env).
 os.environ.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
 os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
+# SGLang torch.compiles small helpers (DeepSeek's grouped top-k routing among them); on the CPU
+# the first prefill then traces and builds C++ for 12 s (26 s on a cold compile cache) of each
+# server's start, about half a test server's CPU time. The servers run them eagerly: what the
+# tests compare is one server's own computation, which is eager on both sides.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 @pytest.fixture(scope="session")
