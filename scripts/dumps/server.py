@@ -20,6 +20,8 @@ from scripts.paths import REPO_ROOT
 
 READY_LINE = "The server is fired up and ready to roll!"
 LISTENING_LINE = "Uvicorn running on"  # uvicorn starts once the scheduler has loaded the model
+# How long a server gets to start: to be ready, or to refuse its settings and exit.
+STARTUP_TIMEOUT_S = 600
 PR_SET_PDEATHSIG = 1
 
 
@@ -130,11 +132,11 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 600) -> "Server":
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
         """Return once warmup is done; raise ServerFailed (with the log) if the server exits or times out."""
         return self._wait_for_line(READY_LINE, "ready", timeout)
 
-    def wait_listening(self, timeout: float = 600) -> "Server":
+    def wait_listening(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
         """Return once the HTTP server listens: the model is loaded and its memory taken,
         warmup has yet to run. Raises ServerFailed as wait_ready does."""
         return self._wait_for_line(LISTENING_LINE, "listening", timeout)

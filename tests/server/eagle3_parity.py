@@ -99,7 +99,7 @@ def served_features(target: Path, draft: Path, prompt: List[int], work: Path, ex
     args = [*eagle3_args(draft), "--forward-hooks", hook_spec(out), *extra_args]
     with Server(target, work / "eagle3.log", runtime_env(), args) as server:
         try:
-            server.wait_ready(timeout=600)
+            server.wait_ready()
         except ServerFailed as failed:
             error = [line for line in server.log().splitlines() if re.search(r"Error|error:", line)]
             _cannot_serve.append(f"SGLang {release()} cannot serve EAGLE-3 here: {(error or [str(failed)])[-1].strip()}")
@@ -114,7 +114,7 @@ def dumped_rows(target: Path, layers: List[int], prompt: List[int], work: Path, 
     dump_dir = work / "dump"
     env = runtime_env(SGLANG_HS_DUMP_DIR=str(dump_dir), SGLANG_HS_DUMP_LAYERS=",".join(map(str, layers)))
     with Server(target, work / "dump.log", env, list(extra_args)) as server:
-        server.wait_ready(timeout=600)
+        server.wait_ready()
         server.post("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
         [entry] = wait_for_manifest(dump_dir, 1)
     return load_dump(str(dump_dir / entry["file"]))

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from scripts.dump_format import load_dump
 from tests.server.dump_checks import relative_error, run_one_prefill
 from scripts.paths import REPO_ROOT
-from scripts.dumps.server import Server, ServerFailed, runtime_env
+from scripts.dumps.server import STARTUP_TIMEOUT_S, Server, ServerFailed, runtime_env
 from scripts.toolchain.lock import load_lock
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
@@ -177,7 +177,7 @@ def test_invalid_settings_stop_the_server_at_startup(model_l3, tmp_path, variabl
     (tmp_path / "a-file").write_text("not a directory")
     extra = {"SGLANG_HS_DUMP_DIR": str(tmp_path / "dump"), variable: value.format(tmp=tmp_path)}
     with Server(model_l3, tmp_path / "server.log", runtime_env(**extra)) as server:
-        code = server.wait_exit(timeout=600)
+        code = server.wait_exit(timeout=STARTUP_TIMEOUT_S)
         log = server.log()
     assert code != 0
     assert re.search(message, log), log[-3000:]
@@ -219,7 +219,7 @@ def test_a_series_without_a_patch_the_dump_relies_on_refuses_to_start(model_l3, 
     concern = request.node.callspec.params["tree_without"]
     env = runtime_env(tree=tree_without, SGLANG_HS_DUMP_DIR=str(tmp_path / "dump"))
     with Server(model_l3, tmp_path / "server.log", env) as server:
-        code = server.wait_exit(timeout=600)
+        code = server.wait_exit(timeout=STARTUP_TIMEOUT_S)
         log = server.log()
     assert code != 0
     assert re.search(rf"lacks series patches the hidden states dump relies on: {concern} ", log), log[-3000:]
