@@ -14,6 +14,10 @@ reply the template adds). Two ways to find them:
 
 A template that allows neither (it rewrites earlier turns, as templates that drop past
 reasoning do) is refused at startup; `--loss-mask all` trains on every token instead.
+
+Plain text records (a base model's data) are the text's tokens as the tokenizer encodes it,
+with its own special tokens, all in the loss. A tokenizer without a chat template (a base
+model's) takes only those: a conversation is then rejected, naming --chat-template.
 """
 
 import re
@@ -49,16 +53,14 @@ class ChatEncoder:
     def __init__(self, tokenizer, template: Optional[str] = None, loss_mask: str = "assistant"):
         self.tokenizer = tokenizer
         self.template = template or getattr(tokenizer, "chat_template", None)
-        if not self.template:
-            raise ToolError("the tokenizer has no chat template: pass --chat-template FILE (a Jinja template)", USAGE)
         if loss_mask not in LOSS_MASKS:
             raise ToolError(f"--loss-mask is one of {', '.join(LOSS_MASKS)}, not {loss_mask!r}", USAGE)
         if not getattr(tokenizer, "is_fast", False):
             raise ToolError("the tokenizer is not a fast (Rust) tokenizer: its token offsets, which the "
                             "loss mask needs, are not available", USAGE)
         self.loss_mask = loss_mask
-        self.generation_markers = bool(GENERATION_MARKER.search(self.template))
-        if loss_mask == "assistant" and not self.generation_markers:
+        self.generation_markers = bool(self.template and GENERATION_MARKER.search(self.template))
+        if self.template and loss_mask == "assistant" and not self.generation_markers:
             try:
                 self._reply_spans(PROBE, self._render(PROBE))
             except Rejected as e:
@@ -69,6 +71,8 @@ class ChatEncoder:
 
     @property
     def method(self) -> str:
+        if not self.template:
+            return "no chat template: plain text records only, every token"
         if self.loss_mask == "all":
             return "every token (--loss-mask all)"
         return "generation markers" if self.generation_markers else "turn-by-turn prefixes"
@@ -76,6 +80,9 @@ class ChatEncoder:
     def encode(self, messages: List[dict]) -> Tuple[List[int], List[int]]:
         """(token ids, loss mask) of a whole conversation; raises Rejected when the template
         refuses it or renders it inconsistently."""
+        if not self.template:
+            raise Rejected("template", "a conversation, and the tokenizer has no chat template: pass "
+                                       "--chat-template FILE, or give plain text records ({\"text\": ...})")
         if self.loss_mask == "assistant" and self.generation_markers:
             try:
                 encoded = self.tokenizer.apply_chat_template(
@@ -95,6 +102,11 @@ class ChatEncoder:
         spans = self._reply_spans(messages, text)
         mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"]]
         return ids, mask
+
+    def encode_text(self, text: str) -> Tuple[List[int], List[int]]:
+        """(token ids, loss mask) of a plain text record: every token in the loss."""
+        ids = list(self.tokenizer(text)["input_ids"])
+        return ids, [1] * len(ids)
 
     def _render(self, messages: List[dict], add_generation_prompt: bool = False) -> str:
         try:

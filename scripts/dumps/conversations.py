@@ -4,6 +4,10 @@ record, or the reason it is not one.
 
     {"id": "a1", "conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}
     {"id": "a2", "messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+    {"id": "a3", "text": "..."}
+
+A record with `text` and no turns is plain text, as a base model (no chat template) is trained
+on: its sample is the text's tokens, every one of them in the loss.
 
 Every record has a line: its line number in a JSON Lines file, its row number (from 1) in
 a table. A sample's rid is its `id`, else `<dataset name>:<line>`.
@@ -45,7 +49,8 @@ class Record:
 class Sample:
     rid: str
     line: int
-    messages: List[dict]
+    messages: Optional[List[dict]]
+    text: Optional[str] = None  # a plain text record's text (then messages is None)
 
 
 @dataclass
@@ -116,8 +121,16 @@ def to_sample(record: Record, dataset_name: str) -> Sample:
         raise record.rejection
     value = record.value
     if not isinstance(value, dict):
-        raise Rejected("unknown_shape", f"a JSON {type(value).__name__}, not an object with 'messages' or 'conversations'")
+        raise Rejected("unknown_shape", f"a JSON {type(value).__name__}, not an object with 'messages', 'conversations' or 'text'")
     rid = _rid(value, dataset_name, record.line)
+    if "text" in value and not any(key in value for key in TURN_KEYS):
+        text = value["text"]
+        if not isinstance(text, str):
+            raise Rejected("unknown_shape", f"'text' is a {type(text).__name__}, not a string")
+        if not text.strip():
+            raise Rejected("empty", "an empty text")
+        _check_text(text, "its text")
+        return Sample(rid, record.line, None, text)
     messages = [_message(turn, n) for n, turn in enumerate(_turns(value))]
     if not messages:
         raise Rejected("empty", "an empty conversation")
@@ -136,14 +149,17 @@ def _rid(value: dict, dataset_name: str, line: int) -> str:
     return str(given)
 
 
+TURN_KEYS = ("messages", "conversations")
+
+
 def _turns(value: dict) -> list:
-    for key in ("messages", "conversations"):
+    for key in TURN_KEYS:
         if key in value:
             turns = value[key]
             if not isinstance(turns, list):
                 raise Rejected("unknown_shape", f"'{key}' is a {type(turns).__name__}, not a list of turns")
             return turns
-    raise Rejected("unknown_shape", f"no 'messages' or 'conversations' (keys: {', '.join(sorted(map(str, value))[:10])})")
+    raise Rejected("unknown_shape", f"no 'messages', 'conversations' or 'text' (keys: {', '.join(sorted(map(str, value))[:10])})")
 
 
 def _message(turn, n: int) -> dict:

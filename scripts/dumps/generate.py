@@ -382,7 +382,10 @@ class Generation:
             self._submit(pool, prepared, reason)
 
     def _prepare(self, sample: Sample) -> Prepared:
-        input_ids, loss_mask = self.encoder.encode(sample.messages)
+        if sample.text is not None:
+            input_ids, loss_mask = self.encoder.encode_text(sample.text)
+        else:
+            input_ids, loss_mask = self.encoder.encode(sample.messages)
         if self.max_tokens is not None and len(input_ids) > self.max_tokens:
             raise Rejected("too_long", f"{len(input_ids)} tokens, more than {self.max_tokens} ({self.max_tokens_why})")
         if 1 not in loss_mask:

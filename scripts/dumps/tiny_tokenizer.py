@@ -52,17 +52,20 @@ def chat_template(generation_markers: bool) -> str:
     )
 
 
-def train() -> "tokenizers.Tokenizer":
-    """The BPE, trained on the corpus; the same merges on every run."""
+def train(texts=None, vocab_size: int = VOCAB_SIZE) -> "tokenizers.Tokenizer":
+    """The BPE, trained on the corpus (or the strings `texts` yields); the same merges on every run."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     special = [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=special, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train([str(CORPUS)], trainer)
+    if texts is None:
+        tokenizer.train([str(CORPUS)], trainer)
+    else:
+        tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
 
@@ -83,11 +86,12 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(temp, path)
 
 
-def write_tokenizer(model_dir: Path, generation_markers: bool = False) -> Path:
-    """Write the tokenizer files into `model_dir` (replacing any); the folder."""
+def write_tokenizer(model_dir: Path, generation_markers: bool = False, tokenizer=None) -> Path:
+    """Write the tokenizer files (of `tokenizer`, default the tiny models' BPE) into `model_dir`
+    (replacing any); the folder."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomically(model_dir / "tokenizer.json", train().to_str(pretty=True))
+    _write_atomically(model_dir / "tokenizer.json", (tokenizer or train()).to_str(pretty=True))
     _write_atomically(model_dir / "tokenizer_config.json", json.dumps(tokenizer_config(generation_markers), indent=2))
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}
     _write_atomically(model_dir / "special_tokens_map.json", json.dumps(special, indent=2))

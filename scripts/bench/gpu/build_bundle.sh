@@ -1,11 +1,16 @@
 #!/bin/bash
-# Build what the GPU machine needs to run the patched SGLang 0.5.14 and the Mooncake sink: one
-# `pip install --target` tree packed as OUT_DIR/site.tar.xz (about 60 MiB). That machine has
-# python 3.12 and torch 2.11.0 with CUDA, no network, and takes at most 64 MiB of carried files
-# per run, the rest of the working tree included.
-# Usage: scripts/bench/gpu/build_bundle.sh OUT_DIR
+# Build what the GPU machine needs to run the patched SGLang 0.5.14: one `pip install --target`
+# tree packed as OUT_DIR/site.tar.xz. That machine has python 3.12 and torch 2.11.0 with CUDA,
+# no network, and takes at most 64 MiB of carried files per run, the rest of the working tree
+# included, so a bundle holds what one kind of run needs:
+#   store (default): the Mooncake sink and a local store beside SGLang (about 60 MiB);
+#   acceptance: SpecForge 0.2.0 and what it lacks there beside SGLang, no Mooncake, so that the
+#     acceptance target's weights travel with it (scripts/acceptance/).
+# Usage: scripts/bench/gpu/build_bundle.sh OUT_DIR [store|acceptance]
 set -euo pipefail
-OUT=${1:?usage: build_bundle.sh OUT_DIR}
+OUT=${1:?usage: build_bundle.sh OUT_DIR [store|acceptance]}
+KIND=${2:-store}
+case "$KIND" in store|acceptance) ;; *) echo "build_bundle.sh: no bundle kind $KIND (store, acceptance)" >&2; exit 2;; esac
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 PY312=$(scripts/toolchain/find-python 3.12)
@@ -28,15 +33,37 @@ download "$WORK/kernel" sglang-kernel==0.4.4
 while read -r requirement; do
   download "$WORK/wheels" "$requirement"
 done < scripts/bench/gpu/bundle-requirements.txt
-# The Mooncake sink (SGLANG_HS_DUMP_SINK=mooncake) and a store on the machine itself: Mooncake's
-# store client, master and memory client (pruned below), and hs-connectors' layout.
-download "$WORK/wheels" mooncake-transfer-engine-non-cuda==0.3.13.post1
-download "$WORK/wheels" hs-connectors==0.9.0
+if [ "$KIND" = acceptance ]; then
+  # SpecForge's trainer and what it needs that the image lacks (scripts/bench/gpu/acceptance-requirements.txt)
+  while read -r requirement; do
+    download "$WORK/wheels" "$requirement"
+  done < <(grep -v '^#' scripts/bench/gpu/acceptance-requirements.txt)
+  # sglang/utils.py imports IPython.display's HTML and display for notebook helpers: two names do.
+  mkdir -p "$WORK/site/IPython"
+  echo '"""A stand-in: SGLang imports IPython.display at module level, for notebook helpers only."""' > "$WORK/site/IPython/__init__.py"
+  printf 'class HTML:\n    def __init__(self, data=None, **kwargs):\n        self.data = data\n\n\ndef display(*objects, **kwargs):\n    pass\n' \
+    > "$WORK/site/IPython/display.py"
+else
+  while read -r requirement; do
+    download "$WORK/wheels" "$requirement"
+  done < <(grep -v '^#' scripts/bench/gpu/ipython-requirements.txt)
+  # The Mooncake sink (SGLANG_HS_DUMP_SINK=mooncake) and a store on the machine itself: Mooncake's
+  # store client, master and memory client (pruned below), and hs-connectors' layout.
+  download "$WORK/wheels" mooncake-transfer-engine-non-cuda==0.3.13.post1
+  download "$WORK/wheels" hs-connectors==0.9.0
+fi
 "$PY312" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$WORK"/wheels/*.whl
 # sglang-kernel: only the sm90 ops. FlashAttention-3 (1.7 GB), FlashMLA and sm100 load lazily
 # and are left out, so the GPU runs use --attention-backend triton.
 (cd "$WORK/site" && unzip -q -o "$WORK"/kernel/sglang_kernel-0.4.4-*.whl \
   -x 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/flashmla_ops.abi3.so' 'sgl_kernel/sm100/*')
+if [ "$KIND" = acceptance ]; then
+  rm -rf "$WORK/site/bin"
+  find "$WORK/site" -name __pycache__ -type d -prune -exec rm -rf {} +
+  tar cf - -C "$WORK/site" . | xz -9 -T0 > "$OUT/site.tar.xz"
+  ls -la "$OUT/site.tar.xz"
+  exit 0
+fi
 # Of Mooncake's package only what `import mooncake.store` loads (its __init__ imports
 # buffer_pool; store.so links libetcd_wrapper.so and libasio.so from its own folder, not
 # engine.so) and the two binaries a local store runs. The transfer engine's module, its
