@@ -58,14 +58,17 @@ def write_train_records(tokenizer, path: Path, total_tokens: int, max_tokens: in
 
 def held_out_prompts(tokenizer, count: int, prompt_tokens: int) -> List[dict]:
     """`count` prompts of `prompt_tokens` tokens from the `prompts` split: each starts at the
-    first line end past a third of its file (past the license header), one prompt a file."""
+    first line end past a quarter, a half or three quarters of its file (past the license
+    header), files taken in turn."""
+    files = _by_hash(corpus.split("prompts"))
     prompts = []
-    for f in _by_hash(corpus.split("prompts")):
-        start = f.text.find("\n", len(f.text) // 3) + 1
-        ids = tokenizer.encode(f.text[start:], add_special_tokens=False).ids
-        if start <= 0 or len(ids) < prompt_tokens:
-            continue
-        prompts.append({"id": f.path, "input_ids": ids[:prompt_tokens]})
-        if len(prompts) == count:
-            break
+    for numerator, denominator in ((1, 2), (1, 4), (3, 4)):
+        for f in files:
+            start = f.text.find("\n", len(f.text) * numerator // denominator) + 1
+            ids = tokenizer.encode(f.text[start:], add_special_tokens=False).ids
+            if start <= 0 or len(ids) < prompt_tokens:
+                continue
+            prompts.append({"id": f"{f.path}@{start}", "input_ids": ids[:prompt_tokens]})
+            if len(prompts) == count:
+                return prompts
     return prompts

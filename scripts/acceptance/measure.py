@@ -19,13 +19,17 @@ SPECULATIVE_ARGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-step
                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5"]
 SAMPLINGS = {"greedy": {"temperature": 0.0}, "temperature-0.7": {"temperature": 0.7, "top_p": 1.0}}
 MAX_NEW_TOKENS = 128
+CONCURRENCY = 32
 SAMPLING_SEED = 20261204
 
 
 def serve_args(draft: Path, dummy_weights: bool) -> List[str]:
     args = [*SPECULATIVE_ARGS, "--speculative-draft-model-path", str(draft),
             "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-            "--mem-fraction-static", "0.5", "--max-total-tokens", "131072", "--random-seed", str(SAMPLING_SEED)]
+            "--mem-fraction-static", "0.5", "--max-total-tokens", "131072", "--random-seed", str(SAMPLING_SEED),
+            # Decode graphs up to the requests in flight; no prefill graphs (their capture is a
+            # minute of every start, and acceptance is decided in decode).
+            "--cuda-graph-max-bs", str(CONCURRENCY), "--disable-piecewise-cuda-graph"]
     if dummy_weights:
         args += ["--speculative-draft-load-format", "dummy"]
     return args
@@ -66,7 +70,7 @@ def measure(target: Path, draft: Path, prompts: List[dict], log: Path, dummy_wei
         server.wait_ready()
         result["ready_s"] = round(time.monotonic() - started, 1)
         for name, sampling in SAMPLINGS.items():
-            with ThreadPoolExecutor(32) as pool:
+            with ThreadPoolExecutor(CONCURRENCY) as pool:
                 answers = list(pool.map(lambda p: _answer(server, p, sampling), prompts))
             timed = []
             for prompt in prompts[:timed_requests]:

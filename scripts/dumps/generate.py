@@ -94,10 +94,12 @@ class DumpingServer(Server):
     (later ones win)."""
 
     def __init__(self, model: Path, out: Path, layers: Optional[str], server_args: List[str], sink: str = "files",
-                 sink_layout: Optional[str] = None):
+                 sink_layout: Optional[str] = None, dtype: Optional[str] = None):
         dump_env = {"SGLANG_HS_DUMP_DIR": str(out)}
         if layers:
             dump_env["SGLANG_HS_DUMP_LAYERS"] = layers
+        if dtype:
+            dump_env["SGLANG_HS_DUMP_DTYPE"] = dtype
         if sink != "files":  # the MOONCAKE_* settings come from this command's environment
             dump_env["SGLANG_HS_DUMP_SINK"] = sink
         if sink_layout:
@@ -500,6 +502,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("--loss-mask", choices=LOSS_MASKS, default="assistant",
                         help="assistant: the assistant's tokens (default); all: every token, for templates that allow no mask")
     parser.add_argument("--dump-layers", help="SGLANG_HS_DUMP_LAYERS of the server this command starts, e.g. 3,31,59")
+    parser.add_argument("--dump-dtype", choices=("fp8",),
+                        help="SGLANG_HS_DUMP_DTYPE of the server this command starts (default: the model's dtype)")
     parser.add_argument("--split", default="train", help="the split of a saved DatasetDict (default train)")
     parser.add_argument("--retries", type=int, default=5, help="retries of a request on connection errors (default 5)")
     parser.add_argument("--manifest-timeout", type=float, default=120.0,
@@ -518,8 +522,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     args.server_args = server_args
     if not args.model and not args.server:
         parser.error("pass --model (this command starts the server) or --server (a running one)")
-    if args.server and (args.dump_layers or server_args):
-        parser.error("--dump-layers and server arguments apply to a server this command starts, not to --server")
+    if args.server and (args.dump_layers or args.dump_dtype or server_args):
+        parser.error("--dump-layers, --dump-dtype and server arguments apply to a server this command starts, "
+                     "not to --server")
     if args.concurrency < 1 or (args.limit is not None and args.limit < 0) or (args.max_length is not None and args.max_length < 1):
         parser.error("--concurrency and --max-length are positive, --limit is not negative")
     return args
@@ -549,7 +554,7 @@ def generate(args: argparse.Namespace) -> int:
             endpoints = [Endpoint(Client(url)) for url in args.server]
         else:
             server = DumpingServer(args.model, args.out, args.dump_layers, args.server_args, args.sink,
-                                   args.sink_layout).start()
+                                   args.sink_layout, args.dump_dtype).start()
             print(f"starting the server on {args.model} (log: {server.log_path}) ...", file=sys.stderr)
             server.wait_ready(args.server_timeout)
             endpoints = [Endpoint(Client(server.url), server)]

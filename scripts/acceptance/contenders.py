@@ -1,0 +1,221 @@
+"""The contenders of the acceptance table, each trained by SpecForge's own `specforge train` on an
+export of one dump of the same records, with the same steps, and served by SGLang with EAGLE-3:
+
+    untrained      the draft config alone, weights from SGLang's dummy loader (the floor)
+    ours-seed1/2   our bf16 dump of the EAGLE-3 layers, two training seeds (the run's noise)
+    shifted        a dump of the layers one above, served with the config of the right ones (the
+                   field's +1 trap; export_specforge --draft-config refuses it, which is recorded)
+    fp8            our fp8 dump of the EAGLE-3 layers (exported dequantized)
+
+Every stage runs the real tool as a subprocess (generate, export_specforge, specforge train,
+specforge export, SGLang's server); each contender's result, or the stage it failed at and why,
+is appended to OUT/acceptance.json as soon as it is known, and each stage's log kept in OUT.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from scripts.acceptance import data, measure
+from scripts.acceptance.target import NUM_LAYERS
+from scripts.toolchain.errors import ToolError
+
+# EAGLE-3's default layers for the target, [3, L//2+1, L-2], and the same one layer up.
+LAYERS = [3, NUM_LAYERS // 2 + 1, NUM_LAYERS - 2]
+DUMPS = {
+    "bf16": {"layers": LAYERS, "dtype": None},
+    "bf16-shifted": {"layers": [layer + 1 for layer in LAYERS], "dtype": None},
+    "fp8": {"layers": LAYERS, "dtype": "fp8"},
+}
+TRAIN_TOKENS = 2_000_000
+RECORD_TOKENS = 1024
+PROMPTS = 64
+PROMPT_TOKENS = 128
+# SpecForge's trainer: the same for every contender but the seed.
+TRAINING = {"strategy": "eagle3", "attention_backend": "sdpa", "batch_size": 8, "max_steps": 400,
+            "learning_rate": 1e-3, "ttt_length": 7, "log_interval": 20, "save_interval": 0}
+STAGE_TIMEOUT_S = {"dump": 420, "export": 300, "train": 300, "draft_export": 120}
+
+
+@dataclass(frozen=True)
+class Contender:
+    dump: Optional[str]  # None: no training, dummy weights
+    seed: Optional[int] = None
+
+
+CONTENDERS = {
+    "untrained": Contender(None),
+    "ours-seed1": Contender("bf16", 1),
+    "ours-seed2": Contender("bf16", 2),
+    "shifted": Contender("bf16-shifted", 1),
+    "fp8": Contender("fp8", 1),
+}
+
+
+def served_layer_ids() -> List[int]:
+    """The draft config ids SGLang 0.5.14 feeds the layers LAYERS: its
+    set_eagle3_layers_to_capture takes ids as they are unless the first is 1."""
+    assert LAYERS[0] != 1
+    return list(LAYERS)
+
+
+def draft_config(target: Path, path: Path) -> Path:
+    """A one-layer LlamaForCausalLMEagle3 for the target, named to be fed LAYERS at serving.
+    No rope_scaling: SpecForge trains YaRN with another scale than SGLang serves it."""
+    config = json.loads((target / "config.json").read_text())
+    draft = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": config["hidden_size"], "target_hidden_size": config["hidden_size"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
+        "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "max_position_embeddings": config["max_position_embeddings"], "rope_theta": 10000.0, "rope_scaling": None,
+        "vocab_size": config["vocab_size"], "draft_vocab_size": config["vocab_size"],
+        "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["eos_token_id"], "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": served_layer_ids(), "use_aux_hidden_state": True},
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(draft, indent=2))
+    return path / "config.json"
+
+
+def run_tool(args: List[str], log: Path, timeout: float, env: Optional[Dict[str, str]] = None) -> None:
+    """Run a tool to its end (its output in `log`); raise with the log's tail if it fails."""
+    started = time.monotonic()
+    with open(log, "w") as out:
+        try:
+            code = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                                  env={**os.environ, **(env or {})}).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    if code != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{' '.join(args[:4])} ... ended with {code} after {time.monotonic() - started:.0f} s:\n{tail}")
+
+
+class Pipeline:
+    def __init__(self, target: Path, work: Path, out: Path):
+        self.target, self.work, self.out = target, work, out
+        self.results_path = out / "acceptance.json"
+        self.results = {"target": str(target), "layers": LAYERS, "training": TRAINING,
+                        "train_tokens": TRAIN_TOKENS, "contenders": {}}
+        self.exports: Dict[str, Path] = {}
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(target))._tokenizer
+        self.prompts = data.held_out_prompts(self.tokenizer, PROMPTS, PROMPT_TOKENS)
+
+    def save(self) -> None:
+        self.results_path.write_text(json.dumps(self.results, indent=2) + "\n")
+
+    def records(self) -> Path:
+        path = self.work / "records.jsonl"
+        if not path.exists():
+            self.results["records"] = data.write_train_records(self.tokenizer, path, TRAIN_TOKENS, RECORD_TOKENS)
+        return path
+
+    def export(self, dump: str, config: Path) -> Path:
+        """The dump `dump` of the records, made by generate, exported for SpecForge with
+        --draft-config `config` (the draft config it is served with). For a dump of other
+        layers than that config is fed, that export is refused: the refusal is recorded and the
+        export made without the check, as a user who skipped it would (the +1 trap)."""
+        if dump in self.exports:
+            return self.exports[dump]
+        spec = DUMPS[dump]
+        dump_dir, export_dir = self.work / f"dump-{dump}", self.work / f"export-{dump}"
+        started = time.monotonic()
+        args = [sys.executable, "-m", "scripts.dumps.generate", "--dataset", str(self.records()),
+                "--out", str(dump_dir), "--model", str(self.target), "--concurrency", "64",
+                "--dump-layers", ",".join(map(str, spec["layers"]))]
+        if spec["dtype"]:
+            args += ["--dump-dtype", spec["dtype"]]
+        args += ["--", "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+                 "--disable-cuda-graph", "--mem-fraction-static", "0.3", "--max-total-tokens", "262144"]
+        run_tool(args, self.out / f"generate-{dump}.log", STAGE_TIMEOUT_S["dump"])
+        dumped = time.monotonic()
+        export = [sys.executable, "-m", "scripts.dumps.export_specforge", str(dump_dir), str(export_dir)]
+        record = {**spec, "dump_s": round(dumped - started, 1)}
+        try:
+            run_tool(export + ["--draft-config", str(config)], self.out / f"export-{dump}.log", STAGE_TIMEOUT_S["export"])
+            record["draft_config_check"] = "accepted"
+        except RuntimeError:
+            if spec["layers"] == LAYERS:
+                raise
+            log = (self.out / f"export-{dump}.log").read_text(errors="replace").strip().splitlines()
+            record["draft_config_check"] = f"refused: {log[-1] if log else '?'}"
+            run_tool(export, self.out / f"export-{dump}-unchecked.log", STAGE_TIMEOUT_S["export"])
+        record["export_s"] = round(time.monotonic() - dumped, 1)
+        record["values"] = json.loads((export_dir / "draft_config_values.json").read_text())
+        self.results.setdefault("dumps", {})[dump] = record
+        self.save()
+        self.exports[dump] = export_dir
+        return export_dir
+
+    def train(self, name: str, contender: Contender, features: Path, config: Path) -> Path:
+        """SpecForge's trainer on `features`, then its export to a folder SGLang serves."""
+        run_dir = self.work / f"train-{name}"
+        run_config = {
+            "run_id": name, "output_dir": str(run_dir / "checkpoints"),
+            "model": {"target_model_path": str(self.target), "draft_model_config": str(config),
+                      "torch_dtype": "bfloat16"},
+            "data": {"hidden_states_path": str(features), "max_length": RECORD_TOKENS,
+                     "cache_dir": str(run_dir / "cache"), "dataloader_num_workers": 4},
+            "training": {**TRAINING, "seed": contender.seed},
+        }
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "run.json").write_text(json.dumps(run_config, indent=2))
+        # Eager: SpecForge torch.compiles small helpers, which recompile as batch shapes change.
+        env = {"TORCHDYNAMO_DISABLE": "1"}
+        run_tool([sys.executable, "-m", "specforge.cli", "train", "-c", str(run_dir / "run.json")],
+                 self.out / f"train-{name}.log", STAGE_TIMEOUT_S["train"], env)
+        draft_dir = run_dir / "draft"
+        run_tool([sys.executable, "-m", "specforge.cli", "export", "--to", "sglang", "--checkpoint",
+                  str(run_dir / "checkpoints"), "--draft-config", str(config), "--output-dir", str(draft_dir)],
+                 self.out / f"draft-export-{name}.log", STAGE_TIMEOUT_S["draft_export"])
+        return draft_dir
+
+    def run(self, name: str) -> None:
+        contender = CONTENDERS[name]
+        result = {"dump": contender.dump, "seed": contender.seed}
+        self.results["contenders"][name] = result
+        started = time.monotonic()
+        stage = "draft config"
+        try:
+            config = draft_config(self.target, self.work / f"config-{name}")
+            if contender.dump is None:
+                draft = config.parent
+            else:
+                stage = "dump and export"
+                features = self.export(contender.dump, config)
+                stage = "specforge train"
+                began = time.monotonic()
+                draft = self.train(name, contender, features, config)
+                result["train_s"] = round(time.monotonic() - began, 1)
+            stage = "serve and measure"
+            result.update(measure.measure(self.target, draft, self.prompts, self.out / f"serve-{name}.log",
+                                          dummy_weights=contender.dump is None))
+            result["status"] = "measured"
+        except Exception as e:  # one contender's failure is recorded; the others still run
+            result["status"] = f"failed at {stage}"
+            result["error"] = f"{e}\n{traceback.format_exc(limit=3)}"[-4000:]
+            print(f"{name}: failed at {stage}: {e}", file=sys.stderr)
+        result["seconds"] = round(time.monotonic() - started, 1)
+        self.save()
+
+
+def run_pipeline(target: Path, work: Path, out: Path, names: List[str]) -> None:
+    unknown = [name for name in names if name not in CONTENDERS]
+    if unknown:
+        raise ToolError(f"no contender {', '.join(unknown)}; the contenders are {', '.join(CONTENDERS)}")
+    pipeline = Pipeline(target, work, out)
+    for name in names:
+        pipeline.run(name)
+        print(json.dumps({name: {k: v for k, v in pipeline.results["contenders"][name].items()
+                                 if k in ("status", "samplings", "train_s", "seconds")}}), flush=True)
