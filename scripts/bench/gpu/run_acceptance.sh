@@ -12,7 +12,7 @@ rm -rf "$SITE" && mkdir -p "$OUT" "$SITE"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MAX_JOBS=16 GIT_PYTHON_REFRESH=quiet
 xz -dc -T0 .devcarry/site.tar.xz | tar xf - -C "$SITE" || exit 2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-PYTHONPATH=$SITE python3 -m scripts apply --version 0.5.14 --dir "$SITE" > "$OUT/apply.log" 2>&1 || { cat "$OUT/apply.log"; exit 3; }
+PYTHONPATH=$SITE python3 -m scripts apply --version 0.5.14 --dir "$SITE" > /tmp/apply.log 2>&1 || { cat /tmp/apply.log; exit 3; }
 # The bundle's console scripts stay behind (their shebang names the building machine's Python):
 # SpecForge's command is its module, which scripts/acceptance runs as `python3 -m specforge.cli`.
 export SGLANG_CHECKOUT=$SITE PYTHONPATH=$SITE:$PWD
