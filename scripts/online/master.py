@@ -1,7 +1,7 @@
-"""A real Mooncake store on this host, on loopback: a mooncake_master with its embedded HTTP
-metadata server and, given a segment size, a mooncake_client that lends the store its memory
-(the servers dumping into it lend none). Used by the Mooncake sink's tests and the online
-demo; by hand:
+"""A real Mooncake store on this host, on loopback: a mooncake_master, Mooncake's HTTP metadata
+server and, given a segment size, a mooncake_client that lends the store its memory (the
+servers dumping into it lend none). Used by the Mooncake sink's tests and the online demo; by
+hand:
 
     python -m scripts.online.master [--port RPC_PORT] [--segment-size BYTES] ...
 
@@ -88,8 +88,8 @@ def log_tail(path: Path) -> str:
 
 
 class MooncakeMaster:
-    """A mooncake_master on free loopback ports (or those given), with its HTTP metadata
-    server; with `segment_size` also a mooncake_client lending the store that many bytes.
+    """A mooncake_master on free loopback ports (or those given), with Mooncake's HTTP
+    metadata server; with `segment_size` also a mooncake_client lending the store that many bytes.
     None for an eviction setting or the lease TTL keeps the master's default (evict 5% of the
     objects once 90% of the memory is used; a lease of 10 s, during which a read object cannot be
     removed without force). A context manager: entering starts it and waits until it serves."""
@@ -102,6 +102,7 @@ class MooncakeMaster:
         self.owned_log_dir = Path(tempfile.mkdtemp(prefix="mooncake-master-")) if log_path is None else None
         self.log_path = Path(log_path) if log_path is not None else self.owned_log_dir / "master.log"
         self.client_log_path = self.log_path.with_name(f"{self.log_path.stem}.client.log")
+        self.metadata_log_path = self.log_path.with_name(f"{self.log_path.stem}.metadata.log")
         self.segment_size = segment_size
         chosen = iter(free_ports(4))
         self.rpc_port = rpc_port or next(chosen)
@@ -110,16 +111,18 @@ class MooncakeMaster:
         self.client_port = next(chosen)
         self.master_args = [
             f"--rpc_address={LOOPBACK}", f"--rpc_port={self.rpc_port}",
-            "--enable_http_metadata_server=true", f"--http_metadata_server_host={LOOPBACK}",
-            f"--http_metadata_server_port={self.metadata_port}",
             f"--metrics_host={LOOPBACK}", f"--metrics_port={self.metrics_port}",
         ]
+        # Not the master's embedded metadata server: it listens on every address whatever
+        # --http_metadata_server_host says. Mooncake's standalone one binds where it is told.
+        self.metadata_args = [f"--host={LOOPBACK}", f"--port={self.metadata_port}", "--log-level=WARNING"]
         for flag, value in (("eviction_ratio", eviction_ratio),
                             ("eviction_high_watermark_ratio", eviction_high_watermark_ratio),
                             ("default_kv_lease_ttl", lease_ttl_ms)):
             if value is not None:
                 self.master_args.append(f"--{flag}={value}")
         self.master: Optional[subprocess.Popen] = None
+        self.metadata_server: Optional[subprocess.Popen] = None
         self.client: Optional[subprocess.Popen] = None
 
     def env(self) -> Dict[str, str]:
@@ -132,9 +135,11 @@ class MooncakeMaster:
         }
 
     def start(self, timeout: float = 60) -> "MooncakeMaster":
-        """Start the master (and the memory client); return once they serve, or stop them and
-        raise MasterFailed with the log's tail."""
+        """Start the master, the metadata server (and the memory client); return once they
+        serve, or stop them and raise MasterFailed with the log's tail."""
         try:
+            self.metadata_server = self._spawn("mooncake_http_metadata_server", self.metadata_args,
+                                               self.metadata_log_path)
             self.master = self._spawn("mooncake_master", self.master_args, self.log_path)
             self._wait_until(lambda: all(accepts_connections(port) for port in (self.rpc_port, self.metadata_port)),
                              f"listening on ports {self.rpc_port} (RPC) and {self.metadata_port} (metadata)", timeout)
@@ -155,25 +160,40 @@ class MooncakeMaster:
 
     def capacity(self) -> int:
         """The bytes of memory mounted in the store, from the master's metrics."""
+        return self.metric("master_total_capacity_bytes")
+
+    def key_count(self) -> int:
+        """How many objects the store holds, by the master's own count."""
+        return self.metric("master_key_count")
+
+    def metric(self, name: str) -> int:
+        """One of the master's metrics; 0 before its metrics server answers."""
         try:
             with urllib.request.urlopen(f"http://{LOOPBACK}:{self.metrics_port}/metrics", timeout=5) as response:
                 metrics = response.read().decode()
         except (urllib.error.URLError, ConnectionError):
             return 0  # the metrics server starts a moment after the RPC one
         return next((int(float(line.split()[1])) for line in metrics.splitlines()
-                     if line.startswith("master_total_capacity_bytes ")), 0)
+                     if line.startswith(f"{name} ")), 0)
+
+    def processes(self) -> List[subprocess.Popen]:
+        """The store's processes that run."""
+        return [process for process in (self.metadata_server, self.master, self.client)
+                if process is not None and process.poll() is None]
 
     def failure(self) -> Optional[str]:
         """Which process has exited, with its code and log tail; None while all run."""
-        for name, process, log in (("mooncake_master", self.master, self.log_path),
+        for name, process, log in (("mooncake_http_metadata_server", self.metadata_server, self.metadata_log_path),
+                                   ("mooncake_master", self.master, self.log_path),
                                    ("mooncake_client", self.client, self.client_log_path)):
             if process is not None and process.poll() is not None:
                 return f"{name} exited with code {process.returncode} (log {log}):\n{log_tail(log)}"
         return None
 
     def stop(self) -> None:
-        """Stop the memory client, then the master; remove the logs if they were temporary."""
-        for process in (self.client, self.master):
+        """Stop the memory client, then the master, then the metadata server (the client
+        unregisters there); remove the logs if they were temporary."""
+        for process in (self.client, self.master, self.metadata_server):
             if process is None or process.poll() is not None:
                 continue
             process.terminate()

@@ -19,7 +19,9 @@ control directory holds CLOSED_MARKER (every sample is published) and every line
 
 `ack` records the samples a trainer has trained on, durably, and only then removes them from
 the store; a stream started later (a restarted trainer) skips every acknowledged sample, so
-no sample is lost and none is trained on twice once acknowledged.
+no sample is lost and none is trained on twice once acknowledged. A trainer killed between the
+record and the last remove leaves hard-pinned objects, which the store never evicts: the
+stream started again removes them (its first `ack`, and its iteration as it passes them).
 
 Imports nothing from SGLang: torch, the standard library, Mooncake's store and the dump's
 format module (hs_connectors too, only for samples in its layout).
@@ -193,16 +195,40 @@ def ack_log_path(state_dir, rank: int) -> Path:
     return Path(state_dir) / ACKS_DIR / f"rank{rank}.jsonl"
 
 
+def removed_mark_path(ack_log: Path) -> Path:
+    """Where a rank records how much of its ack log has its objects removed (a byte offset)."""
+    return ack_log.with_suffix(".removed")
+
+
+def logged_ids(path: Path, start: int = 0) -> List[str]:
+    """The sample ids of an ack log's complete lines from byte `start`. A line a killed
+    trainer left unfinished is not an acknowledgement (its samples' objects were not removed yet)."""
+    data = path.read_bytes()
+    return [json.loads(line)["sample_id"] for line in data[start:data.rfind(b"\n") + 1].splitlines()
+            if line.strip()]
+
+
+def removed_offset(ack_log: Path) -> int:
+    try:
+        return int(removed_mark_path(ack_log).read_text())
+    except (FileNotFoundError, ValueError):
+        return 0  # none yet, or cut short by a kill: the whole log may still have objects
+
+
+def ack_logs(state_dir) -> List[Path]:
+    return sorted((Path(state_dir) / ACKS_DIR).glob("rank*.jsonl"))
+
+
 def acknowledged(state_dir) -> Set[str]:
-    """The sample ids in every rank's ack log. A line a killed trainer left unfinished is
-    not an acknowledgement (its samples' objects were not removed yet)."""
-    ids = set()
-    for path in sorted((Path(state_dir) / ACKS_DIR).glob("rank*.jsonl")):
-        data = path.read_bytes()
-        for line in data[:data.rfind(b"\n") + 1].splitlines():
-            if line.strip():
-                ids.add(json.loads(line)["sample_id"])
-    return ids
+    """The sample ids in every rank's ack log."""
+    return {sample_id for path in ack_logs(state_dir) for sample_id in logged_ids(path)}
+
+
+def acknowledged_unremoved(state_dir) -> Set[str]:
+    """The acknowledged samples whose objects may still be in the store: those logged by a
+    trainer killed before it removed them all, in every rank's log (another world size puts
+    a sample in another rank)."""
+    return {sample_id for path in ack_logs(state_dir) for sample_id in logged_ids(path, removed_offset(path))}
 
 
 def acknowledged_count(state_dir) -> int:
@@ -234,6 +260,18 @@ class AckLog:
         os.write(self._fd, lines.encode("utf-8"))
         os.fsync(self._fd)
 
+    def unremoved(self) -> List[str]:
+        """The samples of this log whose objects may still be in the store."""
+        return logged_ids(self.path, removed_offset(self.path))
+
+    def mark_removed(self) -> None:
+        """Record that every sample logged so far has its objects removed. Not synced: a mark
+        lost to a crash only has a restarted stream remove them again (a no-op)."""
+        mark = removed_mark_path(self.path)
+        written = mark.with_suffix(".removed.tmp")
+        written.write_text(str(os.fstat(self._fd).st_size))
+        os.replace(written, mark)
+
 
 # The process that opened a Mooncake client here: a process forked from it cannot open one
 # of its own (the client hangs or crashes there).
@@ -264,6 +302,7 @@ class ProcessConnections:
         self.ack_log: Optional[AckLog] = None
         self.ack_follower: Optional[ManifestFollower] = None
         self.unacknowledged_keys: Dict[str, List[str]] = {}  # this rank's sample ids: their store keys
+        self.unremoved_keys: Dict[str, List[str]] = {}  # acknowledged before a kill: their store keys
 
 
 class HiddenStatesStream(torch.utils.data.IterableDataset):
@@ -309,10 +348,17 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
         worker = torch.utils.data.get_worker_info()
         num_workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
         acknowledged_or_yielded = acknowledged(self.state_dir)
+        # Each worker its own share: a trainer killed mid-ack may never ack again to remove them.
+        unremoved = acknowledged_unremoved(self.state_dir)
         for entry in self._published():
             sample_id = entry["sample_id"]
-            if (rank_of(sample_id, self.world_size) != self.rank or sample_id in acknowledged_or_yielded
+            if (rank_of(sample_id, self.world_size) != self.rank
                     or worker_of(sample_id, self.world_size, num_workers) != worker_id):
+                continue
+            if sample_id in unremoved:
+                unremoved.discard(sample_id)
+                self._remove(object_keys(entry))
+            if sample_id in acknowledged_or_yielded:
                 continue
             acknowledged_or_yielded.add(sample_id)  # a line repeated in the manifests is one sample
             yield self._sample(entry)
@@ -325,21 +371,31 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
         connections = self._process_connections()
         if connections.ack_follower is None:
             connections.ack_follower = ManifestFollower(self.control_dir)
+            connections.ack_log = AckLog(self.state_dir, self.rank)
+            # What a trainer killed mid-ack left (a rank's log may name samples another world
+            # size gives another rank): removed below, before a mark says it is gone.
+            connections.unremoved_keys = dict.fromkeys(connections.ack_log.unremoved(), [])
         for entry in connections.ack_follower.poll():
             check_entry(entry)
             if rank_of(entry["sample_id"], self.world_size) == self.rank:
                 connections.unacknowledged_keys[entry["sample_id"]] = object_keys(entry)
+            if entry["sample_id"] in connections.unremoved_keys:
+                connections.unremoved_keys[entry["sample_id"]] = object_keys(entry)
         unknown = [sample_id for sample_id in sample_ids if sample_id not in connections.unacknowledged_keys]
         if unknown:
             raise ValueError(f"not samples of rank {self.rank} in {self.control_dir}'s manifests left to "
                              f"acknowledge: {unknown}")
-        if connections.ack_log is None:
-            connections.ack_log = AckLog(self.state_dir, self.rank)
+        for sample_id in list(connections.unremoved_keys):
+            self._remove(connections.unremoved_keys.pop(sample_id))
         connections.ack_log.append(sample_ids)
-        reader = self._reader()
         for sample_id in sample_ids:
-            for key in connections.unacknowledged_keys.pop(sample_id):
-                reader.remove(key)
+            self._remove(connections.unacknowledged_keys.pop(sample_id))
+        connections.ack_log.mark_removed()
+
+    def _remove(self, keys: List[str]) -> None:
+        reader = self._reader()
+        for key in keys:
+            reader.remove(key)
 
     def _published(self) -> Iterator[dict]:
         """Every manifest line, as writers append them, until the closed marker."""

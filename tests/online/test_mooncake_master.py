@@ -1,10 +1,17 @@
 """scripts.online.master: a real mooncake_master (and the mooncake_client lending it memory)
 that a real Mooncake store client reaches with the variables env() gives; a client pointed
-where nothing listens fails its setup, and a master that cannot start says why."""
+where nothing listens fails its setup, a master that cannot start says why, and the store
+listens on loopback but where Mooncake gives no choice."""
 
+import ipaddress
+import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
+from typing import Iterable, List, Set, Tuple, Union
 
 import pytest
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -109,3 +116,81 @@ def test_the_command_prints_the_exports_and_stops_on_sigterm(tmp_path):
     finally:
         command.kill()
         command.wait()
+
+
+LISTEN_STATE = "0A"  # TCP_LISTEN in /proc/net/tcp
+Address = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+
+
+def socket_inodes(pid: int) -> Set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def proc_net_address(field: str) -> Tuple[Address, int]:
+    """/proc/net/tcp{,6}'s `local_address`: the address as 32-bit words in host (little-endian)
+    order, in hex, then the port."""
+    address, port = field.split(":")
+    packed = b"".join(int(address[i:i + 8], 16).to_bytes(4, "little") for i in range(0, len(address), 8))
+    return ipaddress.ip_address(packed), int(port, 16)
+
+
+def listening(pids: Iterable[int]) -> List[Tuple[Address, int]]:
+    """Every (address, port) a TCP socket of these processes listens on."""
+    inodes = set().union(*(socket_inodes(pid) for pid in pids))
+    found = []
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == LISTEN_STATE and fields[9] in inodes:
+                found.append(proc_net_address(fields[1]))
+    return found
+
+
+def beyond_loopback(sockets) -> Set[int]:
+    """The ports of those sockets that listen on an address other hosts can reach."""
+    def loopback(address):
+        mapped = getattr(address, "ipv4_mapped", None)
+        return address.is_loopback or (mapped is not None and mapped.is_loopback)
+    return {port for address, port in sockets if not loopback(address)}
+
+
+def test_the_listening_check_sees_a_socket_on_every_address():
+    """The control of the test below: a listener on 0.0.0.0 (and one on ::) is caught, one on
+    127.0.0.1 is not."""
+    with socket.socket() as everywhere, socket.socket() as local, socket.socket(socket.AF_INET6) as everywhere6:
+        for held, address in ((everywhere, "0.0.0.0"), (local, "127.0.0.1"), (everywhere6, "::")):
+            held.bind((address, 0))
+            held.listen()
+        ports = {name: held.getsockname()[1] for name, held in
+                 (("everywhere", everywhere), ("local", local), ("everywhere6", everywhere6))}
+        mine = listening([os.getpid()])
+    assert {port for _, port in mine} >= set(ports.values())
+    assert beyond_loopback(mine) >= {ports["everywhere"], ports["everywhere6"]}
+    assert ports["local"] not in beyond_loopback(mine)
+
+
+def test_the_store_listens_on_loopback_but_for_the_transfer_engine(tmp_path):
+    """The master, the metadata server and the memory client listen on 127.0.0.1, but for the
+    two listeners Mooncake's transfer engine opens in the client on every address whatever it
+    is told (its RPC/handshake port and its TCP data port, both named in the client's log): the
+    README says what they expose."""
+    with MooncakeMaster(tmp_path / "master.log", segment_size=LENT_SEGMENT) as master:
+        processes = {name: process.pid for name, process in
+                     (("master", master.master), ("metadata", master.metadata_server), ("client", master.client))}
+        sockets = {name: listening([pid]) for name, pid in processes.items()}
+    assert all(sockets.values()), sockets  # each listens somewhere: the check looks at the right processes
+    assert beyond_loopback(sockets["master"]) == set()
+    assert beyond_loopback(sockets["metadata"]) == set()
+    client_log = (tmp_path / "master.client.log").read_text()
+    transfer_engine = {int(port) for port in re.findall(r"Transfer Engine RPC using .*listening on \S+:(\d+)", client_log)
+                       + re.findall(r"TcpTransport: listen on port (\d+)", client_log)}
+    assert len(transfer_engine) == 2, client_log
+    assert beyond_loopback(sockets["client"]) == transfer_engine

@@ -25,6 +25,7 @@ import torch
 from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig, packed_layout
 from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
+from scripts.online import stream as stream_module
 from scripts.online.master import MooncakeMaster
 from scripts.online.stream import CLOSED_MARKER, AckLog, HiddenStatesStream, acknowledged, acknowledged_count
 from scripts.dump_format import FP8_ENCODING, dequantize_rows, manifest_name, quantize_rows
@@ -331,6 +332,110 @@ def test_a_killed_trainer_restarted_trains_on_every_sample_exactly_once(master, 
     assert sorted([*trained, *restarted]) == sorted(publisher.published)
     assert not any(publisher.in_store(sample_id) for sample_id in trained)
     assert all(publisher.in_store(sample_id) for sample_id in restarted)
+
+
+KILLED = 17  # the exit status of a trainer killed at its kill point
+KILL_POINTS = {  # where in its last acknowledgement (two samples, five objects each), and the objects it leaves
+    "before the log line": 10,
+    "between the log line and the removes": 10,
+    "between two removes": 9,
+}
+# A trainer that reads every sample, acknowledges them one by one but the last two, and is
+# killed (os._exit: nothing of its own runs after it) at argv[2] of acknowledging those two.
+KILLED_TRAINER = textwrap.dedent(f"""
+    import os
+    import sys
+    from scripts.online import stream as online
+
+    kill_at = None
+    removes = 0
+    append, remove = online.AckLog.append, online.StoreReader.remove
+
+    def append_killed(self, sample_ids):
+        if kill_at == "before the log line":
+            os._exit({KILLED})
+        append(self, sample_ids)
+        if kill_at == "between the log line and the removes":
+            os._exit({KILLED})
+
+    def remove_killed(self, key):
+        global removes
+        if kill_at == "between two removes" and removes == 1:
+            os._exit({KILLED})
+        removes += kill_at is not None
+        remove(self, key)
+
+    online.AckLog.append, online.StoreReader.remove = append_killed, remove_killed
+    stream = online.HiddenStatesStream(sys.argv[1])
+    sample_ids = [sample["sample_id"] for sample in stream]
+    for sample_id in sample_ids[:-2]:
+        stream.ack([sample_id])
+    kill_at = sys.argv[2]
+    stream.ack(sample_ids[-2:])
+""")
+
+
+def kill_a_trainer_mid_ack(control_dir, store: MooncakeMaster, kill_at: str) -> None:
+    trainer = subprocess.run([sys.executable, "-c", KILLED_TRAINER, str(control_dir), kill_at],
+                             env={**os.environ, **store.env()}, timeout=WAIT_TIMEOUT_S)
+    assert trainer.returncode == KILLED
+
+
+def train_on_every_sample(control_dir, store: MooncakeMaster) -> List[str]:
+    stream = HiddenStatesStream(control_dir, store_env=store.env())
+    trained = []
+    for sample in stream:
+        stream.ack([sample["sample_id"]])
+        trained.append(sample["sample_id"])
+    return trained
+
+
+@pytest.mark.parametrize("kill_at", KILL_POINTS)
+def test_a_trainer_killed_mid_ack_and_restarted_leaves_the_store_empty(control_dir, kill_at):
+    """Counted by the store's master, not by the stream: a store of its own."""
+    with MooncakeMaster(segment_size=STORE_MEMORY) as store:
+        publisher = Publisher(control_dir, store.env(), "specforge", "a")
+        every_sample = {publisher.publish(index, [1, 2, 3]) for index in range(4)}
+        close(control_dir)
+        kill_a_trainer_mid_ack(control_dir, store, kill_at)
+        assert store.key_count() == KILL_POINTS[kill_at]  # hard-pinned: left until someone removes them
+
+        retrained = train_on_every_sample(control_dir, store)
+        assert len(retrained) == (2 if kill_at == "before the log line" else 0)
+        assert acknowledged(control_dir) == every_sample
+        assert store.key_count() == 0
+
+
+def test_a_restarted_trainer_removes_what_a_kill_left_at_its_first_ack(control_dir):
+    """Without iterating: a trainer restarted after its last sample was acknowledged may
+    only acknowledge samples published since."""
+    with MooncakeMaster(segment_size=STORE_MEMORY) as store:
+        publisher = Publisher(control_dir, store.env(), "specforge", "a")
+        for index in range(4):
+            publisher.publish(index, [1, 2, 3])
+        close(control_dir)
+        kill_a_trainer_mid_ack(control_dir, store, "between the log line and the removes")
+        late = publisher.publish(4, [1, 2, 3])
+        assert store.key_count() == 15
+
+        HiddenStatesStream(control_dir, store_env=store.env()).ack([late])
+        assert store.key_count() == 0
+
+
+def test_without_removing_what_a_kill_left_the_store_keeps_it(control_dir, monkeypatch):
+    """The negative control of the two tests above: a restart that skips acknowledged samples
+    and removes nothing of theirs leaves their objects in the store for good."""
+    monkeypatch.setattr(stream_module, "acknowledged_unremoved", lambda state_dir: set())
+    monkeypatch.setattr(AckLog, "unremoved", lambda self: [])
+    with MooncakeMaster(segment_size=STORE_MEMORY) as store:
+        publisher = Publisher(control_dir, store.env(), "specforge", "a")
+        for index in range(4):
+            publisher.publish(index, [1, 2, 3])
+        close(control_dir)
+        kill_a_trainer_mid_ack(control_dir, store, "between the log line and the removes")
+
+        assert train_on_every_sample(control_dir, store) == []
+        assert store.key_count() == 10
 
 
 def test_an_ack_log_line_a_killed_trainer_left_unfinished_is_no_ack(tmp_path):
