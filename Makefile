@@ -27,7 +27,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR)):$(abspath $(LIBIBVERBS_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release demo demo-online generate bench bench-generate bench-generate-servers bench-writer bench-export clean
+.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release test-acceptance demo demo-online generate bench bench-acceptance acceptance-bundle acceptance-table bench-generate bench-generate-servers bench-writer bench-export clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -123,6 +123,13 @@ test-server: apply runtime ## every real-server test for VERSION, and the online
 
 test-release: test-unit test-server ## unit and server tests for VERSION
 
+# The acceptance pipeline's CPU smoke (tests/acceptance): SpecForge's own trainer on our export of
+# a real dump. SpecForge 0.2.0 pins SGLang 0.5.14 (requirements/trainers.txt), so test-matrix runs
+# it with that release.
+SPECFORGE_RELEASE := 0.5.14
+test-acceptance: apply runtime ## SpecForge's trainer on our export of a tiny model's dump, on the CPU (SGLANG_VERSION=$(SPECFORGE_RELEASE))
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q tests/acceptance $(PYTEST_ARGS)
+
 # The releases whose whole server suite CI runs: the default. Every other locked release runs
 # its unit tests and make test-warmup, which keeps CI's time bounded as releases are added
 # (0.5.9's whole suite, 32 minutes on two cores, took CI to its limit; make test-server
@@ -138,7 +145,7 @@ TEST_LANES ?= 1
 test: test-tools test-matrix ## everything CI runs: toolchain tests, then per release unit tests and test-warmup, the server suite on FULL_SERVER_SUITE
 
 test-matrix: tools $(LIBCUDA_STUB_DIR)/libcuda.so.1 $(LIBIBVERBS_DIR)/libibverbs.so.1 ## per release (SGLANG_VERSION=: that one) unit tests and test-warmup, the whole server suite on FULL_SERVER_SUITE; TEST_LANES releases at a time
-	FULL_SERVER_SUITE="$(FULL_SERVER_SUITE)" TEST_LANES="$(TEST_LANES)" PRUNE_RUNTIMES="$(PRUNE_RUNTIMES)" SGLANG_DIR="$(SGLANG_DIR)" \
+	FULL_SERVER_SUITE="$(FULL_SERVER_SUITE)" SPECFORGE_RELEASE="$(SPECFORGE_RELEASE)" TEST_LANES="$(TEST_LANES)" PRUNE_RUNTIMES="$(PRUNE_RUNTIMES)" SGLANG_DIR="$(SGLANG_DIR)" \
 		scripts/test_matrix.sh $(or $(SGLANG_VERSION),$(shell $(PYTHON) -m scripts.toolchain.lock versions))
 
 demo: apply runtime ## the whole path on a tiny model: conversations -> generate -> dump -> SpecForge and speculators exports
@@ -177,6 +184,23 @@ BENCH_EXPORT_DIR ?= .cache/bench-export
 bench-export: apply runtime ## both exports vs dd reading and writing on BENCH_EXPORT_DIR's filesystem (scripts/bench/export.py) into results/bench-export-<host kind>.json
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.export --dir $(BENCH_EXPORT_DIR) \
 		--out results/bench-export-$(if $(shell command -v nvidia-smi),gpu,cpu).json
+
+# The acceptance benchmark (scripts/acceptance, BENCHMARKS.md "Acceptance"). Build the bundle where
+# the package index is reachable, then run each step on the GPU machine with .devcarry carried:
+# STEP=target once (its results committed under results/gpu/acceptance/target), then
+# STEP=pipeline with a few CONTENDERS a call (each step fits 10 minutes); `make acceptance-table`
+# reads every run's raw results.
+acceptance-bundle: ## the acceptance bundle for a GPU machine without network: SGLang 0.5.14 and SpecForge 0.2.0 in .devcarry/site.tar.xz
+	bash scripts/bench/gpu/build_bundle.sh .devcarry acceptance
+
+STEP ?= pipeline
+CONTENDERS ?= untrained,ours-seed1
+ACCEPTANCE_OUT ?= $(or $(OUT),.cache/acceptance)
+bench-acceptance: ## on the GPU machine with .devcarry: one step of the acceptance benchmark (STEP=target, or STEP=pipeline CONTENDERS=...) into ACCEPTANCE_OUT
+	OUT=$(abspath $(ACCEPTANCE_OUT)) bash scripts/bench/gpu/run_acceptance.sh $(STEP) $(if $(filter pipeline,$(STEP)),--contenders $(CONTENDERS))
+
+acceptance-table: tools ## the acceptance table from results/gpu/acceptance/*/acceptance.json
+	$(TOOLS_PY) -m scripts.acceptance.table
 
 clean: ## remove checkouts, venvs and caches
 	rm -rf .sglang .venv .cache

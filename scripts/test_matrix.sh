@@ -8,7 +8,7 @@
 # than one lane each release's output goes to .cache/test-matrix/<version>.log, printed
 # once every lane is done. PRUNE_RUNTIMES=1 (a disk that holds one runtime at a time)
 # runs one lane and removes each release's runtime after its tests.
-# Usage: scripts/test_matrix.sh VERSION... (make passes FULL_SERVER_SUITE, TEST_LANES,
+# Usage: scripts/test_matrix.sh VERSION... (make passes FULL_SERVER_SUITE, SPECFORGE_RELEASE, TEST_LANES,
 # PRUNE_RUNTIMES, SGLANG_DIR and its own command-line variables such as PYTEST_ARGS).
 set -uo pipefail
 make=${MAKE:-make}
@@ -22,10 +22,11 @@ ordered=()
 for version in "$@"; do whole_suite "$version" && ordered+=("$version"); done
 for version in "$@"; do whole_suite "$version" || ordered+=("$version"); done
 
-test_release() {  # test_release VERSION: its unit tests, then its server tests
-    local server=test-warmup markers="not same_on_every_release"
+test_release() {  # test_release VERSION: its unit tests, then its server tests (and the acceptance smoke on SPECFORGE_RELEASE)
+    local server=test-warmup markers="not same_on_every_release" acceptance=()
     whole_suite "$1" && server=test-server markers=
-    "$make" --no-print-directory test-unit "$server" SGLANG_VERSION="$1" UNIT_MARKERS="$markers" "${dir_arg[@]}"
+    [ "$1" = "${SPECFORGE_RELEASE:-}" ] && acceptance=(test-acceptance)
+    "$make" --no-print-directory test-unit "$server" "${acceptance[@]}" SGLANG_VERSION="$1" UNIT_MARKERS="$markers" "${dir_arg[@]}"
     local status=$?
     [ -n "${PRUNE_RUNTIMES:-}" ] && rm -rf ".venv/sglang-$1"
     return $status

@@ -13,9 +13,6 @@ is appended to OUT/acceptance.json as soon as it is known, and each stage's log 
 """
 
 import json
-import os
-import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -23,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from scripts.acceptance import data, measure
+from scripts.acceptance import data, measure, specforge_training
+from scripts.acceptance.specforge_training import run_tool
 from scripts.acceptance.target import NUM_LAYERS
 from scripts.toolchain.errors import ToolError
 
@@ -66,40 +64,6 @@ def served_layer_ids() -> List[int]:
     return list(LAYERS)
 
 
-def draft_config(target: Path, path: Path) -> Path:
-    """A one-layer LlamaForCausalLMEagle3 for the target, named to be fed LAYERS at serving.
-    No rope_scaling: SpecForge trains YaRN with another scale than SGLang serves it."""
-    config = json.loads((target / "config.json").read_text())
-    draft = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-        "hidden_size": config["hidden_size"], "target_hidden_size": config["hidden_size"],
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
-        "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-        "max_position_embeddings": config["max_position_embeddings"], "rope_theta": 10000.0, "rope_scaling": None,
-        "vocab_size": config["vocab_size"], "draft_vocab_size": config["vocab_size"],
-        "bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-        "pad_token_id": config["eos_token_id"], "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": served_layer_ids(), "use_aux_hidden_state": True},
-    }
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(draft, indent=2))
-    return path / "config.json"
-
-
-def run_tool(args: List[str], log: Path, timeout: float, env: Optional[Dict[str, str]] = None) -> None:
-    """Run a tool to its end (its output in `log`); raise with the log's tail if it fails."""
-    started = time.monotonic()
-    with open(log, "w") as out:
-        try:
-            code = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                  env={**os.environ, **(env or {})}).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-    if code != 0:
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{' '.join(args[:4])} ... ended with {code} after {time.monotonic() - started:.0f} s:\n{tail}")
-
-
 class Pipeline:
     def __init__(self, target: Path, work: Path, out: Path):
         self.target, self.work, self.out = target, work, out
@@ -111,6 +75,7 @@ class Pipeline:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(target))._tokenizer
         self.prompts = data.held_out_prompts(self.tokenizer, PROMPTS, PROMPT_TOKENS)
+        self.trainer_target = specforge_training.target_folder(target, work / "trainer-target")
 
     def save(self) -> None:
         self.results_path.write_text(json.dumps(self.results, indent=2) + "\n")
@@ -160,26 +125,12 @@ class Pipeline:
 
     def train(self, name: str, contender: Contender, features: Path, config: Path) -> Path:
         """SpecForge's trainer on `features`, then its export to a folder SGLang serves."""
-        run_dir = self.work / f"train-{name}"
-        run_config = {
-            "run_id": name, "output_dir": str(run_dir / "checkpoints"),
-            "model": {"target_model_path": str(self.target), "draft_model_config": str(config),
-                      "torch_dtype": "bfloat16"},
-            "data": {"hidden_states_path": str(features), "max_length": RECORD_TOKENS,
-                     "cache_dir": str(run_dir / "cache"), "dataloader_num_workers": 4},
-            "training": {**TRAINING, "seed": contender.seed},
-        }
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "run.json").write_text(json.dumps(run_config, indent=2))
-        # Eager: SpecForge torch.compiles small helpers, which recompile as batch shapes change.
-        env = {"TORCHDYNAMO_DISABLE": "1"}
-        run_tool([sys.executable, "-m", "specforge.cli", "train", "-c", str(run_dir / "run.json")],
-                 self.out / f"train-{name}.log", STAGE_TIMEOUT_S["train"], env)
-        draft_dir = run_dir / "draft"
-        run_tool([sys.executable, "-m", "specforge.cli", "export", "--to", "sglang", "--checkpoint",
-                  str(run_dir / "checkpoints"), "--draft-config", str(config), "--output-dir", str(draft_dir)],
-                 self.out / f"draft-export-{name}.log", STAGE_TIMEOUT_S["draft_export"])
-        return draft_dir
+        work = self.work / f"train-{name}"
+        run = specforge_training.run_config(name, self.trainer_target, config, features, work, RECORD_TOKENS,
+                                            dict(TRAINING), contender.seed)
+        specforge_training.train(run, self.out / f"train-{name}.log", STAGE_TIMEOUT_S["train"])
+        return specforge_training.export_draft(work / "checkpoints", config, work / "draft",
+                                               self.out / f"draft-export-{name}.log", STAGE_TIMEOUT_S["draft_export"])
 
     def run(self, name: str) -> None:
         contender = CONTENDERS[name]
@@ -188,7 +139,7 @@ class Pipeline:
         started = time.monotonic()
         stage = "draft config"
         try:
-            config = draft_config(self.target, self.work / f"config-{name}")
+            config = specforge_training.draft_config(self.target, self.work / f"config-{name}", served_layer_ids())
             if contender.dump is None:
                 draft = config.parent
             else:

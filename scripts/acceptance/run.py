@@ -57,19 +57,7 @@ def target_model(into: Path) -> Path:
     with tarfile.open(TARGET_RESULTS / MODEL_FILES) as tar:
         tar.extractall(model, filter="data")
     shutil.copy(weights, model / WEIGHTS)
-    write_weight_index(model)
     return model
-
-
-def write_weight_index(model: Path) -> None:
-    """model.safetensors.index.json beside the one file of weights: SpecForge's trainer reads the
-    target's lm_head only through an index (SGLang and transformers take either)."""
-    from safetensors import safe_open
-
-    with safe_open(str(model / WEIGHTS), framework="pt") as f:
-        names = list(f.keys())
-    index = {"metadata": {"total_size": (model / WEIGHTS).stat().st_size}, "weight_map": {n: WEIGHTS for n in names}}
-    (model / f"{WEIGHTS}.index.json").write_text(json.dumps(index, indent=2))
 
 
 def main(argv=None) -> int:

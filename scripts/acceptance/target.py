@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from scripts.acceptance import corpus
-from scripts.dumps.tiny_model import SGLANG_KEYS, YARN
+from scripts.dumps.tiny_model import YARN, save_for_sglang
 from scripts.dumps.tiny_tokenizer import EOS, write_tokenizer
 
 SEED = 20261204
@@ -144,12 +144,7 @@ def train(out: Path, steps: int, deadline_s: float) -> dict:
     evaluation = held_out_perplexity(model, valid_ids, device, RECIPE["eval_batches"])
     print(f"held-out perplexity of the bf16 weights: {evaluation['perplexity']:.3f}", flush=True)
     model_dir = out / "model"
-    model.save_pretrained(model_dir, safe_serialization=True)
-    config_path = model_dir / "config.json"
-    saved = json.loads(config_path.read_text())
-    saved.update(SGLANG_KEYS)
-    saved["architectures"] = ["DeepseekV3ForCausalLM"]
-    config_path.write_text(json.dumps(saved, indent=2))
+    save_for_sglang(model, model_dir)
     write_tokenizer(model_dir, tokenizer=tokenizer)
     record = {
         "seed": SEED, "recipe": dict(RECIPE, steps=steps), "trained_steps": trained_steps,

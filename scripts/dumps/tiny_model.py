@@ -116,15 +116,21 @@ def _generate(path: Path, layers: int, q_lora: bool, widths: str, hidden_size: O
             # not tie-breaking, without saturating the sigmoid scores.
             gate.weight.mul_(ROUTER_LOGIT_STD / (config.initializer_range * math.sqrt(config.hidden_size)))
     staging = path.with_name(path.name + ".tmp")
-    model.save_pretrained(staging, safe_serialization=True)
-    config_path = staging / "config.json"
+    save_for_sglang(model, staging)
+    write_tokenizer(staging)
+    staging.rename(path)
+    return path
+
+
+def save_for_sglang(model, path: Path) -> None:
+    """A transformers DeepSeek-V3 saved as SGLang loads it: its config with the keys DeepSeek's
+    published config.json has and transformers does not write."""
+    model.save_pretrained(path, safe_serialization=True)
+    config_path = path / "config.json"
     saved = json.loads(config_path.read_text())
     saved.update(SGLANG_KEYS)
     saved["architectures"] = ["DeepseekV3ForCausalLM"]
     config_path.write_text(json.dumps(saved, indent=2))
-    write_tokenizer(staging)
-    staging.rename(path)
-    return path
 
 
 # Kimi-K2.5's vision tower (MoonViT) and projector at their smallest. Text prompts never run

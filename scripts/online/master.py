@@ -40,6 +40,9 @@ class MasterFailed(RuntimeError):
     """A Mooncake process is missing, exited, or never became ready."""
 
 
+METADATA_MODULE = "mooncake.http_metadata_server"
+
+
 def mooncake_executable(name: str) -> str:
     """A console script of Mooncake's wheel: next to this Python first (a venv's bin need not
     be on PATH), else on PATH."""
@@ -138,9 +141,11 @@ class MooncakeMaster:
         """Start the master, the metadata server (and the memory client); return once they
         serve, or stop them and raise MasterFailed with the log's tail."""
         try:
-            self.metadata_server = self._spawn("mooncake_http_metadata_server", self.metadata_args,
-                                               self.metadata_log_path)
             self.master = self._spawn("mooncake_master", self.master_args, self.log_path)
+            # Its module, not its console script: a script's first line names the Python it was
+            # installed with, which a carried bundle (the GPU machine's) does not have.
+            self.metadata_server = self._spawn("mooncake_http_metadata_server", self.metadata_args,
+                                               self.metadata_log_path, [sys.executable, "-m", METADATA_MODULE])
             self._wait_until(lambda: all(accepts_connections(port) for port in (self.rpc_port, self.metadata_port)),
                              f"listening on ports {self.rpc_port} (RPC) and {self.metadata_port} (metadata)", timeout)
             if self.segment_size:
@@ -205,11 +210,12 @@ class MooncakeMaster:
         if self.owned_log_dir is not None:
             shutil.rmtree(self.owned_log_dir, ignore_errors=True)
 
-    def _spawn(self, name: str, args: Sequence[str], log_path: Path) -> subprocess.Popen:
+    def _spawn(self, name: str, args: Sequence[str], log_path: Path,
+               command: Optional[List[str]] = None) -> subprocess.Popen:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:
             # Its own session: a terminal's Ctrl-C reaches the caller, which stops it in order.
-            return subprocess.Popen([mooncake_executable(name), *args], stdout=log, stderr=subprocess.STDOUT,
+            return subprocess.Popen([*(command or [mooncake_executable(name)]), *args], stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
 
     def _wait_until(self, ready, what: str, timeout: float) -> None:

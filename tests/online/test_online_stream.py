@@ -406,15 +406,22 @@ def test_a_trainer_killed_mid_ack_and_restarted_leaves_the_store_empty(control_d
         assert store.key_count() == 0
 
 
+def four_samples_and_a_trainer_killed_mid_ack(control_dir, store):
+    """Four samples published and closed, then a trainer killed between the acknowledgement's
+    log line and its removes; the publisher, for later samples."""
+    publisher = Publisher(control_dir, store.env(), "specforge", "a")
+    for index in range(4):
+        publisher.publish(index, [1, 2, 3])
+    close(control_dir)
+    kill_a_trainer_mid_ack(control_dir, store, "between the log line and the removes")
+    return publisher
+
+
 def test_a_restarted_trainer_removes_what_a_kill_left_at_its_first_ack(control_dir):
     """Without iterating: a trainer restarted after its last sample was acknowledged may
     only acknowledge samples published since."""
     with MooncakeMaster(segment_size=STORE_MEMORY) as store:
-        publisher = Publisher(control_dir, store.env(), "specforge", "a")
-        for index in range(4):
-            publisher.publish(index, [1, 2, 3])
-        close(control_dir)
-        kill_a_trainer_mid_ack(control_dir, store, "between the log line and the removes")
+        publisher = four_samples_and_a_trainer_killed_mid_ack(control_dir, store)
         late = publisher.publish(4, [1, 2, 3])
         assert store.key_count() == 15
 
@@ -428,11 +435,7 @@ def test_without_removing_what_a_kill_left_the_store_keeps_it(control_dir, monke
     monkeypatch.setattr(stream_module, "acknowledged_unremoved", lambda state_dir: set())
     monkeypatch.setattr(AckLog, "unremoved", lambda self: [])
     with MooncakeMaster(segment_size=STORE_MEMORY) as store:
-        publisher = Publisher(control_dir, store.env(), "specforge", "a")
-        for index in range(4):
-            publisher.publish(index, [1, 2, 3])
-        close(control_dir)
-        kill_a_trainer_mid_ack(control_dir, store, "between the log line and the removes")
+        four_samples_and_a_trainer_killed_mid_ack(control_dir, store)
 
         assert train_on_every_sample(control_dir, store) == []
         assert store.key_count() == 10

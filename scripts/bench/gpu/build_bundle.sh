@@ -66,11 +66,12 @@ if [ "$KIND" = acceptance ]; then
 fi
 # Of Mooncake's package only what `import mooncake.store` loads (its __init__ imports
 # buffer_pool; store.so links libetcd_wrapper.so and libasio.so from its own folder, not
-# engine.so) and the two binaries a local store runs. The transfer engine's module, its
-# 42 MB bench, the connectors and the console scripts (their shebang names this machine's
+# engine.so), the two binaries a local store runs and its metadata server (a module, on
+# aiohttp, which the image has). The transfer engine's module, its 42 MB bench, the connectors and the console scripts (their shebang names this machine's
 # Python) stay out. Every library of the wheel's .libs folder is linked by store.so or a binary
 # (readelf -d), the 22 MB libetcd_wrapper among them, so the folder stays whole.
-MOONCAKE_KEPT=(__init__.py buffer_pool.py store.so libetcd_wrapper.so libasio.so mooncake_master mooncake_client)
+MOONCAKE_KEPT=(__init__.py buffer_pool.py store.so libetcd_wrapper.so libasio.so mooncake_master mooncake_client
+              http_metadata_server.py)
 for entry in "$WORK/site/mooncake"/*; do
   [[ " ${MOONCAKE_KEPT[*]} " == *" $(basename "$entry") "* ]] || rm -rf "$entry"
 done
