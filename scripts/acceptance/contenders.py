@@ -6,6 +6,9 @@ export of one dump of the same records, with the same steps, and served by SGLan
     shifted        a dump of the layers one above, served with the config of the right ones (the
                    field's +1 trap; export_specforge --draft-config refuses it, which is recorded)
     fp8            our fp8 dump of the EAGLE-3 layers (exported dequantized)
+    anchor         the same records' features from transformers' own forward of the target
+                   (scripts/acceptance/reference_capture.py), in the same layout: ours must
+                   match it within the noise
 
 Every stage runs the real tool as a subprocess (generate, export_specforge, specforge train,
 specforge export, SGLang's server); each contender's result, or the stage it failed at and why,
@@ -48,12 +51,14 @@ class Contender:
     seed: Optional[int] = None
 
 
+REFERENCE = "transformers"  # the anchor's features: no dump, transformers' forward
 CONTENDERS = {
     "untrained": Contender(None),
     "ours-seed1": Contender("bf16", 1),
     "ours-seed2": Contender("bf16", 2),
     "shifted": Contender("bf16-shifted", 1),
     "fp8": Contender("fp8", 1),
+    "anchor": Contender(REFERENCE, 1),
 }
 
 
@@ -123,6 +128,19 @@ class Pipeline:
         self.exports[dump] = export_dir
         return export_dir
 
+    def reference_features(self) -> Path:
+        """The anchor's features: transformers' forward over the records, in SpecForge's layout."""
+        from scripts.acceptance import reference_capture
+
+        out = self.work / f"export-{REFERENCE}"
+        if REFERENCE not in self.exports:
+            started = time.monotonic()
+            record = reference_capture.capture(self.target, self.records(), out, LAYERS, RECORD_TOKENS)
+            self.results.setdefault("dumps", {})[REFERENCE] = dict(record, capture_s=round(time.monotonic() - started, 1))
+            self.save()
+            self.exports[REFERENCE] = out
+        return out
+
     def train(self, name: str, contender: Contender, features: Path, config: Path) -> Path:
         """SpecForge's trainer on `features`, then its export to a folder SGLang serves."""
         work = self.work / f"train-{name}"
@@ -144,7 +162,10 @@ class Pipeline:
                 draft = config.parent
             else:
                 stage = "dump and export"
-                features = self.export(contender.dump, config)
+                if contender.dump == REFERENCE:
+                    features = self.reference_features()
+                else:
+                    features = self.export(contender.dump, config)
                 stage = "specforge train"
                 began = time.monotonic()
                 draft = self.train(name, contender, features, config)
