@@ -6,9 +6,15 @@ export of one dump of the same records, with the same steps, and served by SGLan
     shifted        a dump of the layers one above, served with the config of the right ones (the
                    field's +1 trap; export_specforge --draft-config refuses it, which is recorded)
     fp8            our fp8 dump of the EAGLE-3 layers (exported dequantized)
-    anchor         the same records' features from transformers' own forward of the target
-                   (scripts/acceptance/reference_capture.py), in the same layout: ours must
-                   match it within the noise
+    anchor         the same records' features from SpecForge's own in-process capture with
+                   SGLang 0.5.14, upstream's tree (scripts/acceptance/specforge_capture.py):
+                   ours must match it within the noise
+    transformers   the same records' features from transformers' own forward of the target
+                   (scripts/acceptance/reference_capture.py), SGLang nowhere on the path
+
+`agreement`, named among the contenders, trains nothing: it makes our bf16 export and both
+references' features of the same records and compares them sample by sample (tokens equal,
+elements bit-equal, relative error), into OUT/acceptance.json's "agreement".
 
 Every stage runs the real tool as a subprocess (generate, export_specforge, specforge train,
 specforge export, SGLang's server); each contender's result, or the stage it failed at and why,
@@ -16,6 +22,7 @@ is appended to OUT/acceptance.json as soon as it is known, and each stage's log 
 """
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -42,7 +49,9 @@ PROMPT_TOKENS = 128
 # SpecForge's trainer: the same for every contender but the seed.
 TRAINING = {"strategy": "eagle3", "attention_backend": "sdpa", "batch_size": 8, "max_steps": 400,
             "learning_rate": 1e-3, "ttt_length": 7, "log_interval": 20, "save_interval": 0}
-STAGE_TIMEOUT_S = {"dump": 420, "export": 300, "train": 300, "draft_export": 120}
+# The attention backend of every SGLang run here: the dump's, the anchor capture's, the server's.
+ATTENTION_BACKEND = "triton"
+STAGE_TIMEOUT_S = {"dump": 420, "export": 300, "capture": 420, "train": 300, "draft_export": 120}
 
 
 @dataclass(frozen=True)
@@ -51,14 +60,19 @@ class Contender:
     seed: Optional[int] = None
 
 
-REFERENCE = "transformers"  # the anchor's features: no dump, transformers' forward
+# Features made by another capture of the same records, not by a dump of ours.
+SPECFORGE_CAPTURE, TRANSFORMERS_FORWARD = "specforge-capture", "transformers-forward"
+REFERENCES = (SPECFORGE_CAPTURE, TRANSFORMERS_FORWARD)
+AGREEMENT = "agreement"
+AGREEMENT_SAMPLES = 256
 CONTENDERS = {
     "untrained": Contender(None),
     "ours-seed1": Contender("bf16", 1),
     "ours-seed2": Contender("bf16", 2),
     "shifted": Contender("bf16-shifted", 1),
     "fp8": Contender("fp8", 1),
-    "anchor": Contender(REFERENCE, 1),
+    "anchor": Contender(SPECFORGE_CAPTURE, 1),
+    "transformers": Contender(TRANSFORMERS_FORWARD, 1),
 }
 
 
@@ -106,7 +120,7 @@ class Pipeline:
                 "--dump-layers", ",".join(map(str, spec["layers"]))]
         if spec["dtype"]:
             args += ["--dump-dtype", spec["dtype"]]
-        args += ["--", "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+        args += ["--", "--attention-backend", ATTENTION_BACKEND, "--sampling-backend", "pytorch", "--grammar-backend", "none",
                  "--disable-cuda-graph", "--mem-fraction-static", "0.3", "--max-total-tokens", "262144"]
         run_tool(args, self.out / f"generate-{dump}.log", STAGE_TIMEOUT_S["dump"])
         dumped = time.monotonic()
@@ -128,18 +142,37 @@ class Pipeline:
         self.exports[dump] = export_dir
         return export_dir
 
-    def reference_features(self) -> Path:
-        """The anchor's features: transformers' forward over the records, in SpecForge's layout."""
-        from scripts.acceptance import reference_capture
+    def reference_features(self, source: str, config: Path) -> Path:
+        """The features another capture makes of the records, in SpecForge's layout."""
+        if source in self.exports:
+            return self.exports[source]
+        out = self.work / f"export-{source}"
+        started = time.monotonic()
+        if source == SPECFORGE_CAPTURE:
+            record = specforge_capture(self.target, config, self.records(), out, self.out / f"capture-{source}.log")
+        else:
+            from scripts.acceptance import reference_capture
 
-        out = self.work / f"export-{REFERENCE}"
-        if REFERENCE not in self.exports:
-            started = time.monotonic()
             record = reference_capture.capture(self.target, self.records(), out, LAYERS, RECORD_TOKENS)
-            self.results.setdefault("dumps", {})[REFERENCE] = dict(record, capture_s=round(time.monotonic() - started, 1))
-            self.save()
-            self.exports[REFERENCE] = out
+        self.results.setdefault("dumps", {})[source] = dict(record, capture_s=round(time.monotonic() - started, 1))
+        self.save()
+        self.exports[source] = out
         return out
+
+    def agreement(self) -> None:
+        """Our bf16 export against each reference's features of the same records."""
+        from scripts.acceptance.agreement import compare
+
+        config = specforge_training.draft_config(self.target, self.work / f"config-{AGREEMENT}", served_layer_ids())
+        ours = self.export("bf16", config)
+        record = self.results.setdefault(AGREEMENT, {})
+        for source in REFERENCES:
+            try:
+                record[source] = compare(ours, self.reference_features(source, config), AGREEMENT_SAMPLES)
+            except Exception as e:
+                record[source] = {"status": "failed", "error": f"{e}\n{traceback.format_exc(limit=3)}"[-4000:]}
+                print(f"{AGREEMENT}: {source} failed: {e}", file=sys.stderr)
+            self.save()
 
     def train(self, name: str, contender: Contender, features: Path, config: Path) -> Path:
         """SpecForge's trainer on `features`, then its export to a folder SGLang serves."""
@@ -162,8 +195,8 @@ class Pipeline:
                 draft = config.parent
             else:
                 stage = "dump and export"
-                if contender.dump == REFERENCE:
-                    features = self.reference_features()
+                if contender.dump in REFERENCES:
+                    features = self.reference_features(contender.dump, config)
                 else:
                     features = self.export(contender.dump, config)
                 stage = "specforge train"
@@ -182,12 +215,30 @@ class Pipeline:
         self.save()
 
 
+def specforge_capture(target: Path, config: Path, records: Path, out: Path, log: Path) -> dict:
+    """scripts/acceptance/specforge_capture.py in a process of its own, on upstream SGLang when
+    SGLANG_UPSTREAM names a folder holding the release's unpatched `sglang` package."""
+    upstream = os.environ.get("SGLANG_UPSTREAM")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [upstream, os.environ.get("PYTHONPATH")]))}
+    run_tool([sys.executable, "-m", "scripts.acceptance.specforge_capture", "--target", str(target),
+              "--draft-config", str(config), "--records", str(records), "--out", str(out),
+              "--max-tokens", str(RECORD_TOKENS), "--attention-backend", ATTENTION_BACKEND],
+             log, STAGE_TIMEOUT_S["capture"], env)
+    record = json.loads(log.read_text().strip().splitlines()[-1])
+    record["sglang"] = "upstream" if upstream else "this project's patched tree, dumping off"
+    return record
+
+
 def run_pipeline(target: Path, work: Path, out: Path, names: List[str]) -> None:
-    unknown = [name for name in names if name not in CONTENDERS]
+    unknown = [name for name in names if name not in CONTENDERS and name != AGREEMENT]
     if unknown:
-        raise ToolError(f"no contender {', '.join(unknown)}; the contenders are {', '.join(CONTENDERS)}")
+        raise ToolError(f"no contender {', '.join(unknown)}; the contenders are {', '.join(CONTENDERS)} (and {AGREEMENT})")
     pipeline = Pipeline(target, work, out)
     for name in names:
+        if name == AGREEMENT:
+            pipeline.agreement()
+            print(json.dumps({AGREEMENT: pipeline.results.get(AGREEMENT)}), flush=True)
+            continue
         pipeline.run(name)
         print(json.dumps({name: {k: v for k, v in pipeline.results["contenders"][name].items()
                                  if k in ("status", "samplings", "train_s", "seconds")}}), flush=True)
