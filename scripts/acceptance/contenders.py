@@ -161,14 +161,15 @@ class Pipeline:
 
     def agreement(self) -> None:
         """Our bf16 export against each reference's features of the same records."""
-        from scripts.acceptance.agreement import compare
+        from scripts.acceptance.agreement import compare, record_pairs
 
         config = specforge_training.draft_config(self.target, self.work / f"config-{AGREEMENT}", served_layer_ids())
         ours = self.export("bf16", config)
+        pairs = record_pairs(ours, self.work / "dump-bf16")
         record = self.results.setdefault(AGREEMENT, {})
         for source in REFERENCES:
             try:
-                record[source] = compare(ours, self.reference_features(source, config), AGREEMENT_SAMPLES)
+                record[source] = compare(ours, self.reference_features(source, config), AGREEMENT_SAMPLES, pairs)
             except Exception as e:
                 record[source] = {"status": "failed", "error": f"{e}\n{traceback.format_exc(limit=3)}"[-4000:]}
                 print(f"{AGREEMENT}: {source} failed: {e}", file=sys.stderr)

@@ -49,3 +49,28 @@ def test_one_changed_element_and_other_tokens_are_seen(tmp_path):
     assert 0.99 < result["aux_hidden_state"]["bit_equal"] < 1.0
     assert result["aux_hidden_state"]["max_abs"] >= 0.99
     assert result["hidden_state"]["bit_equal"] == 1.0
+
+
+def test_samples_pair_by_record_not_by_position(tmp_path):
+    """The export numbers samples in the order requests finished, a reference in the records'
+    order: compared by position they differ, paired through the samples file they are equal."""
+    import json
+
+    from scripts.acceptance.agreement import record_pairs
+
+    order = [2, 0, 1]  # the export's idx n holds record line order[n] + 1
+    (tmp_path / "dump").mkdir()
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "dump" / "samples.jsonl").write_text(
+        "".join(json.dumps({"rid": f"r{line}", "line": line + 1}) + "\n" for line in order))
+    (tmp_path / "ours" / "export.jsonl").write_text(
+        "".join(json.dumps({"idx": idx, "rid": f"r{line}"}) + "\n" for idx, line in enumerate(order)))
+    for idx, line in enumerate(order):
+        write(tmp_path / "ours", idx, *features(line))
+        write(tmp_path / "theirs", line, *features(line))
+    assert compare(tmp_path / "ours", tmp_path / "theirs", 8)["token_mismatches"] == [0, 1, 2]
+    pairs = record_pairs(tmp_path / "ours", tmp_path / "dump")
+    assert pairs == {0: 2, 1: 0, 2: 1}
+    result = compare(tmp_path / "ours", tmp_path / "theirs", 8, pairs)
+    assert result["samples"] == 3 and result["token_mismatches"] == []
+    assert result["aux_hidden_state"]["bit_equal"] == 1.0
