@@ -205,8 +205,14 @@ class Pipeline:
                 draft = self.train(name, contender, features, config)
                 result["train_s"] = round(time.monotonic() - began, 1)
             stage = "serve and measure"
+
+            def measured_so_far(partial: dict) -> None:
+                result.update(partial, status=f"measured {', '.join(partial['samplings'])}; measuring",
+                              seconds=round(time.monotonic() - started, 1))
+                self.save()
+
             result.update(measure.measure(self.target, draft, self.prompts, self.out / f"serve-{name}.log",
-                                          dummy_weights=contender.dump is None))
+                                          dummy_weights=contender.dump is None, on_sampling=measured_so_far))
             result["status"] = "measured"
         except Exception as e:  # one contender's failure is recorded; the others still run
             result["status"] = f"failed at {stage}"

@@ -10,7 +10,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 from scripts.dumps.server import Server, runtime_env
 
@@ -59,9 +59,10 @@ def acceptance(answers: List[dict]) -> Dict[str, float]:
 
 
 def measure(target: Path, draft: Path, prompts: List[dict], log: Path, dummy_weights: bool = False,
-            timed_requests: int = 8) -> dict:
+            timed_requests: int = 8, on_sampling: Optional[Callable[[dict], None]] = None) -> dict:
     """Serve `target` with `draft`, send every prompt under each sampling (all at once), then
-    `timed_requests` of them one at a time for tokens per second."""
+    `timed_requests` of them one at a time for tokens per second. `on_sampling` gets the
+    result so far after each sampling, so that a step stopped at its limit keeps it."""
     started = time.monotonic()
     server = Server(target, log, runtime_env(), serve_args(draft, dummy_weights), defaults=[], cwd=None)
     result = {"draft": str(draft), "dummy_weights": dummy_weights, "speculative_args": SPECULATIVE_ARGS,
@@ -82,4 +83,6 @@ def measure(target: Path, draft: Path, prompts: List[dict], log: Path, dummy_wei
                 tokens_per_s_one_request=round(sum(t for t, _ in timed) / sum(s for _, s in timed), 1))
             print(json.dumps({"draft": draft.name, "sampling": name,
                               "accept_length": result["samplings"][name]["accept_length"]}), flush=True)
+            if on_sampling is not None:
+                on_sampling(result)
     return result
