@@ -28,6 +28,12 @@ _format = _load("format.py", "hidden_states_dump_format")
 _store_layouts = _load("store_layouts.py", "hidden_states_dump_store_layouts")
 _store_settings = _load("store_settings.py", "hidden_states_dump_store_settings")
 
+CHECKSUM_FIELD = _format.CHECKSUM_FIELD
+ChecksumMismatch = _format.ChecksumMismatch
+check_checksum = _format.check_checksum
+checksum_of = _format.checksum_of
+file_checksum = _format.file_checksum
+nonfinite_rows = _format.nonfinite_rows
 DumpCounters = _format.DumpCounters
 DumpRecord = _format.DumpRecord
 DumpTimings = _format.DumpTimings

@@ -39,13 +39,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from scripts.dump_format import load_dump
 from scripts.dumps.draft_config import sglang_draft_values, write_values
 from scripts.dumps.exporting import (
     claim_folder,
     describe_arguments,
     export_command,
     finished,
+    finite_samples,
+    load_checked,
     run_samples,
     write_atomically,
     write_index,
@@ -64,7 +65,7 @@ def sample_path(out_dir: Path, idx: int, compress: bool = False) -> Path:
 
 
 def sample(dump_dir: Path, entry: dict, loss_mask: List[int], layers: Optional[List[int]]) -> Dict[str, torch.Tensor]:
-    record = load_dump(str(dump_dir / entry["file"]))
+    record = load_checked(dump_dir, entry)
     hidden_states = record.hidden_states
     if layers is not None:  # a gather: torch.save of a view would store the whole dump tensor
         hidden_states = hidden_states.index_select(1, torch.tensor(layer_columns(record.layer_ids, layers)))
@@ -86,12 +87,13 @@ def save(tensors: Dict[str, torch.Tensor], path: Path, compress: bool) -> None:
 
 
 def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None, layers: Optional[List[int]] = None,
-           draft_config: Optional[Path] = None, threads: int = 4, compress: bool = False) -> ByteTally:
+           draft_config: Optional[Path] = None, threads: int = 4, compress: bool = False,
+           keep_nonfinite: bool = False) -> ByteTally:
     """Write every sample in SpecForge's layout (or the ones an earlier run left)."""
-    samples = training_samples(dump_dir, samples_file)
+    samples = finite_samples(training_samples(dump_dir, samples_file), keep_nonfinite)
     values = None
     if samples:  # checked before anything is written
-        first = load_dump(str(dump_dir / samples[0][0]["file"]))
+        first = load_checked(dump_dir, samples[0][0])
         if layers is None:
             layers = sorted(layer for layer in first.layer_ids if layer < first.num_layers)
         layer_columns(first.layer_ids, layers)

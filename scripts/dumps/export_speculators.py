@@ -41,13 +41,15 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from scripts.dump_format import FP8_ENCODING, DumpRecord, dequantize_rows, load_dump, safetensors_header, tensor_bytes
+from scripts.dump_format import FP8_ENCODING, DumpRecord, dequantize_rows, safetensors_header, tensor_bytes
 from scripts.dumps.draft_config import speculators_values, write_values
 from scripts.dumps.exporting import (
     claim_folder,
     describe_arguments,
     export_command,
     finished,
+    finite_samples,
+    load_checked,
     run_samples,
     sync,
     write_atomically,
@@ -108,12 +110,13 @@ def save_safetensors(tensors: Dict[str, torch.Tensor], path: Path) -> None:
 
 
 def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None, aux_layers: Optional[List[int]] = None,
-           draft_config: Optional[Path] = None, threads: int = 4, fp8: bool = False) -> ByteTally:
+           draft_config: Optional[Path] = None, threads: int = 4, fp8: bool = False,
+           keep_nonfinite: bool = False) -> ByteTally:
     """Write every sample in speculators' layout (or the ones an earlier run left)."""
-    samples = training_samples(dump_dir, samples_file)
+    samples = finite_samples(training_samples(dump_dir, samples_file), keep_nonfinite)
     if not samples:
         raise ToolError(f"{dump_dir}: no samples to export")
-    first = load_dump(str(dump_dir / samples[0][0]["file"]))
+    first = load_checked(dump_dir, samples[0][0])
     num_layers = int(first.metadata["num_layers"])
     picked = columns(first.layer_ids, num_layers, aux_layers)  # before anything is written
     exported = [first.layer_ids[i] for i in picked]
@@ -124,7 +127,7 @@ def export(dump_dir: Path, out_dir: Path, samples_file: Optional[Path] = None, a
     def convert(job: Tuple[Path, dict]) -> Tuple[int, int]:
         path, entry = job
         source = dump_dir / entry["file"]
-        record = load_dump(str(source), raw=fp8)
+        record = load_checked(dump_dir, entry, raw=fp8)
         if record.layer_ids != first.layer_ids:
             raise ToolError(f"{entry['file']} holds the layers {record.layer_ids}, {samples[0][0]['file']} "
                             f"{first.layer_ids}: one export takes one dump configuration")

@@ -9,6 +9,11 @@ run left is written again under its name, and renamed, by the next. The index fi
 written once every sample file exists, the export's own index (export.jsonl) last, so its
 presence says the export is done.
 
+Each dump file is checked against its manifest line's checksum as it is read: one whose
+bytes changed is refused by name before anything of it is written. Samples whose rows hold
+NaN or infinity (flagged in their manifest line) are left out, named, unless
+--keep-nonfinite.
+
 Samples are read, converted and written by a small pool of threads, several at a time (the
 file names, not the order they finish in, carry the samples file's order), with a progress
 bar and a summary (scripts/dumps/progress.py).
@@ -24,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from scripts.dump_format import CHECKSUM_FIELD, ChecksumMismatch, DumpRecord, load_dump, nonfinite_rows
 from scripts.dumps.progress import ByteTally, progress_bar
 from scripts.dumps.samples import mask_runs, parse_layers
 from scripts.toolchain.errors import USAGE, ToolError
@@ -65,6 +71,28 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> int:
 
 def write_text_atomically(path: Path, text: str) -> None:
     write_atomically(path, lambda temp: temp.write_text(text, encoding="utf-8"))
+
+
+def load_checked(dump_dir: Path, entry: dict, raw: bool = False) -> DumpRecord:
+    """A sample's dump file, its bytes checked against its manifest line's checksum (a line
+    written before checksums: unchecked); a file whose bytes changed is refused by name."""
+    try:
+        return load_dump(str(dump_dir / entry["file"]), raw=raw, checksum=entry.get(CHECKSUM_FIELD))
+    except ChecksumMismatch as e:
+        raise ToolError(f"refusing {entry['file']} (rid {entry['rid']!r}) of {dump_dir}, nothing of it is exported: "
+                        f"{e}")
+
+
+def finite_samples(samples: List[Tuple[dict, List[int]]], keep_nonfinite: bool) -> List[Tuple[dict, List[int]]]:
+    """The samples without rows that hold NaN or infinity (all of them with `keep_nonfinite`);
+    those left out are named on stderr."""
+    flagged = [entry for entry, _ in samples if nonfinite_rows(entry)]
+    if keep_nonfinite or not flagged:
+        return samples
+    print(f"leaving out {len(flagged)} samples whose rows hold NaN or infinity (--keep-nonfinite keeps them): "
+          + ", ".join(f"{entry['rid']!r} ({entry['file']}, {nonfinite_rows(entry)} rows)" for entry in flagged),
+          file=sys.stderr)
+    return [(entry, mask) for entry, mask in samples if not nonfinite_rows(entry)]
 
 
 def samples_digest(samples: Sequence[Tuple[dict, List[int]]]) -> str:
@@ -160,9 +188,9 @@ def export_command(argv, description: str, export, layers_help: str, done: str,
                    add_options: Callable[[argparse.ArgumentParser], None] = lambda parser: None,
                    options: Sequence[str] = ()) -> int:
     """The command line every export shares: DUMP_DIR OUT_DIR [--samples FILE] [--layers IDS]
-    [--draft-config FILE] [--threads N], plus the export's own `options` (added by
-    `add_options`); `export(dump_dir, out_dir, samples_file, layers, draft_config, threads,
-    **options)` returns its ByteTally."""
+    [--draft-config FILE] [--threads N] [--keep-nonfinite], plus the export's own `options`
+    (added by `add_options`); `export(dump_dir, out_dir, samples_file, layers, draft_config,
+    threads, keep_nonfinite=, **options)` returns its ByteTally."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dump_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
@@ -173,6 +201,8 @@ def export_command(argv, description: str, export, layers_help: str, done: str,
                              "other layers than the export holds")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                         help=f"samples read and written side by side (default {DEFAULT_THREADS})")
+    parser.add_argument("--keep-nonfinite", action="store_true",
+                        help="export the samples whose rows hold NaN or infinity too (default: left out, named)")
     add_options(parser)
     args = parser.parse_args(argv)
     try:
@@ -183,7 +213,8 @@ def export_command(argv, description: str, export, layers_help: str, done: str,
         if args.threads < 1:
             raise ToolError(f"--threads {args.threads}: at least 1", USAGE)
         tally = export(args.dump_dir, args.out_dir, args.samples, parse_layers(args.layers), args.draft_config,
-                       args.threads, **{name: getattr(args, name) for name in options})
+                       args.threads, keep_nonfinite=args.keep_nonfinite,
+                       **{name: getattr(args, name) for name in options})
     except ToolError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Deque, Dict, List, Optional, Tuple
 
-from scripts.dump_format import LOSS_MASK_PARAM, META_INFO_KEY, REF_CHANNEL, ManifestFollower, sample_name
+from scripts.dump_format import LOSS_MASK_PARAM, META_INFO_KEY, REF_CHANNEL, ManifestFollower, nonfinite_rows, sample_name
 from scripts.dumps.chat import LOSS_MASKS, ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import Rejected, Sample, open_dataset, read_samples
 from scripts.dumps.progress import human_bytes, progress_bar
@@ -156,6 +156,7 @@ class Tally:
     not_attempted: int = 0
     tokens: int = 0          # prompt tokens dumped in this run
     bytes: int = 0           # their files' bytes
+    nonfinite: List[str] = field(default_factory=list)  # rids of those with rows holding NaN or infinity
     failures: List[str] = field(default_factory=list)
 
     @property
@@ -219,6 +220,8 @@ class Generation:
             return
         self.samples_file.append(samples_line(prepared.rid, prepared.line, prepared.loss_mask, sample_name(entry)))
         self.done.add(prepared.rid)
+        if nonfinite_rows(entry):
+            self.tally.nonfinite.append(prepared.rid)
         if sent:
             self.tally.dumped += 1
             self.tally.tokens += entry["num_tokens"]
@@ -478,6 +481,10 @@ def report(tally: Tally, endpoints: List[Endpoint], out: Path, seconds: float, s
                                     f"{tally.rejected_before} recorded by an earlier run)" if rejected else ""),
         f"failed: {tally.failed}" + (f"; not attempted: {tally.not_attempted}" if tally.not_attempted else ""),
     ]
+    if tally.nonfinite:
+        lines.append(f"with rows that hold NaN or infinity (flagged in the manifest; the exports and the stream "
+                     f"leave them out): {len(tally.nonfinite)}: {', '.join(map(repr, tally.nonfinite[:20]))}"
+                     + (", ..." if len(tally.nonfinite) > 20 else ""))
     lines += [f"  {failure}" for failure in tally.failures]
     if server_exit is not None:
         lines.append(f"the server exited with code {server_exit} during the run; its log: {out / SERVER_LOG}")

@@ -1,11 +1,17 @@
 """Summarise a hidden-states dump directory and validate every file against the manifest.
 
-    python -m scripts.dumps.inspect_dump DUMP_DIR
+    python -m scripts.dumps.inspect_dump DUMP_DIR [--verify]
 
 Shows a progress bar while it reads every file, then prints requests, tokens, bytes, layers
-and dtype, and how fast it read; exits 1 if a manifest line names a file
-that is missing or does not match it, 0 otherwise. Files the manifest does not name (a
-server killed between the rename and the manifest line) are listed but are not errors.
+and dtype, the samples whose rows hold NaN or infinity, and how fast it read; exits 1 if a
+manifest line names a file that is missing or does not match it, 0 otherwise. Files the
+manifest does not name (a server killed between the rename and the manifest line) are
+listed but are not errors.
+
+--verify hashes every file's bytes again against its manifest line's checksum instead, with
+a progress bar over the bytes, and exits 1 naming each file whose bytes changed, each file
+a manifest names that is missing and each dump file no manifest names. A dump written
+before checksums has none to check: it says so.
 """
 
 import argparse
@@ -15,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from scripts.dump_format import load_dump
+from scripts.dump_format import CHECKSUM_FIELD, file_checksum, load_dump, nonfinite_rows
 from scripts.dumps.progress import ByteTally, progress_bar
 from scripts.dumps.samples import file_manifest
 from scripts.toolchain.errors import ToolError
@@ -33,6 +39,22 @@ class Summary:
     draft_layer_ids: set = field(default_factory=set)  # JSON of each entry's candidate draft configs
     problems: List[str] = field(default_factory=list)
     unlisted: List[str] = field(default_factory=list)
+    nonfinite: List[str] = field(default_factory=list)  # "<file> (rid ...): N of T rows"
+
+
+@dataclass
+class Verification:
+    """Every file of a dump hashed again against its manifest line's checksum."""
+
+    verified: int = 0
+    without_checksum: List[str] = field(default_factory=list)
+    changed: List[str] = field(default_factory=list)  # "<file>: ..." of each file whose bytes changed
+    missing: List[str] = field(default_factory=list)
+    unlisted: List[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.changed or self.missing or self.unlisted)
 
 
 def check_entry(dump_dir: Path, entry: dict) -> List[str]:
@@ -80,16 +102,68 @@ def summarise(dump_dir: Path, tally: Optional[ByteTally] = None) -> Summary:
         size = path.stat().st_size if path.is_file() else 0
         summary.bytes += size
         summary.problems += check_entry(dump_dir, entry)
+        if nonfinite_rows(entry):
+            summary.nonfinite.append(f"{entry['file']} (rid {entry['rid']!r}): {nonfinite_rows(entry)} of "
+                                     f"{entry['num_tokens']} rows")
         if bar is not None:
             tally.add(size)
             bar.set_postfix_str(tally.postfix(), refresh=False)
             bar.update(1)
     if bar is not None:
         bar.close()
-    # Dump files no manifest names (a server killed between the rename and the manifest
-    # line); other files (the generate command's samples, logs) are not the dump's.
-    summary.unlisted = sorted(p.name for p in dump_dir.glob("*.safetensors") if p.name not in listed)
+    summary.unlisted = unlisted_files(dump_dir, listed)
     return summary
+
+
+def unlisted_files(dump_dir: Path, listed) -> List[str]:
+    """Dump files no manifest names (a server killed between the rename and the manifest
+    line); other files (the generate command's samples, logs) are not the dump's."""
+    return sorted(p.name for p in dump_dir.glob("*.safetensors") if p.name not in listed)
+
+
+def verify(dump_dir: Path, tally: Optional[ByteTally] = None) -> Verification:
+    """Every file a manifest names hashed again against the checksum its line carries; with
+    a `tally`, behind a progress bar over the bytes."""
+    result = Verification()
+    entries = file_manifest(dump_dir)
+    paths = {entry["file"]: dump_dir / entry["file"] for entry in entries}
+    total = sum(path.stat().st_size for path in paths.values() if path.is_file())
+    bar = None
+    if tally is not None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    for entry in entries:
+        name, path = entry["file"], paths[entry["file"]]
+        if Path(name).name != name or not path.is_file():
+            result.missing.append(name)
+            continue
+        expected = entry.get(CHECKSUM_FIELD)
+        if expected is None:
+            result.without_checksum.append(name)
+            continue
+        actual = file_checksum(str(path), expected, bar.update if bar is not None else None)
+        if tally is not None:
+            tally.add(path.stat().st_size)
+        result.verified += 1
+        if actual != expected:
+            result.changed.append(f"{name} (rid {entry['rid']!r}): its bytes changed since they were written "
+                                  f"(checksum {actual}, its manifest line says {expected})")
+    if bar is not None:
+        bar.close()
+    result.unlisted = unlisted_files(dump_dir, set(paths))
+    return result
+
+
+def verification_report(dump_dir: Path, result: Verification) -> str:
+    lines = [f"dump: {dump_dir}", f"files verified: {result.verified - len(result.changed)} of {result.verified}"]
+    if result.without_checksum:
+        lines.append(f"no checksum (written before the dump recorded them): {len(result.without_checksum)} files, "
+                     f"not verified")
+    lines += [f"CHANGED {problem}" for problem in result.changed]
+    lines += [f"MISSING {name}: its manifest line names it, it is not there" for name in result.missing]
+    lines += [f"UNLISTED {name}: no manifest names it" for name in result.unlisted]
+    return "\n".join(lines)
 
 
 def draft_configs(candidates_json: str) -> str:
@@ -111,6 +185,10 @@ def report(dump_dir: Path, summary: Summary) -> str:
           f"when its eagle_aux_hidden_state_layer_ids is: {draft_configs(ids)}" for ids in sorted(summary.draft_layer_ids)),
         f"files valid: {summary.requests - len({p.split(':')[0] for p in summary.problems})} of {summary.requests}",
     ]
+    if summary.nonfinite:
+        lines.append(f"samples with rows that hold NaN or infinity (the exports and the stream skip them): "
+                     f"{len(summary.nonfinite)}")
+        lines += [f"  {sample}" for sample in summary.nonfinite]
     lines += [f"PROBLEM {p}" for p in summary.problems]
     lines += [f"not in the manifest (ignored by readers): {name}" for name in summary.unlisted]
     return "\n".join(lines)
@@ -119,12 +197,20 @@ def report(dump_dir: Path, summary: Summary) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dump_dir", type=Path)
+    parser.add_argument("--verify", action="store_true",
+                        help="hash every file again against its manifest line's checksum")
     args = parser.parse_args(argv)
     if not args.dump_dir.is_dir():
         print(f"error: {args.dump_dir} is not a directory", file=sys.stderr)
         return 2
     tally = ByteTally()
     try:
+        if args.verify:
+            result = verify(args.dump_dir, tally)
+            tally.finish()
+            print(verification_report(args.dump_dir, result))
+            print(tally.summary("hashed", "files"))
+            return 1 if result.failed else 0
         summary = summarise(args.dump_dir, tally)
     except ToolError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,6 +17,13 @@ dataloader worker, by a stable hash of its sample id (the rank by the hash alone
 trainer restarted with another number of workers keeps its samples). It ends once the
 control directory holds CLOSED_MARKER (every sample is published) and every line is read.
 
+Each sample read is checked against the checksums its manifest line carries (each object's
+in SpecForge's layout, each tensor's in hs-connectors'): an object that is not the one the
+writer put (a stale or foreign object under a reused key, bytes changed in the store) is
+refused with ChecksumMismatch naming the sample and the key. A sample whose rows hold NaN or
+infinity (its line's nonfinite_rows) is skipped unless `keep_nonfinite`; lines written
+before checksums are read unchecked.
+
 `ack` records the samples a trainer has trained on, durably, and only then removes them from
 the store; a stream started later (a restarted trainer) skips every acknowledged sample, so
 no sample is lost and none is trained on twice once acknowledged. A trainer killed between the
@@ -39,7 +46,15 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Set
 
 import torch
 
-from scripts.dump_format import FP8_ENCODING, ManifestFollower, MooncakeSettings, dequantize_rows
+from scripts.dump_format import (
+    CHECKSUM_FIELD,
+    FP8_ENCODING,
+    ManifestFollower,
+    MooncakeSettings,
+    check_checksum,
+    dequantize_rows,
+    nonfinite_rows,
+)
 
 # Created in the control directory once every sample is published: the stream ends there.
 CLOSED_MARKER = ".closed"
@@ -119,7 +134,10 @@ class StoreReader:
                 raise LookupError(f"manifest line of rid {rid!r}: reading its object {spec['key']} "
                                   f"returned {received}, not its {size} bytes")
             # A copy: the buffer is the next sample's.
-            tensors[name] = buffer[start:start + size].view(dtype).view(spec["shape"]).clone()
+            stored = buffer[start:start + size].clone()
+            check_checksum(f"the object {spec['key']} of rid {rid!r}", spec.get(CHECKSUM_FIELD),
+                           [stored.numpy()])
+            tensors[name] = stored.view(dtype).view(spec["shape"])
         return tensors
 
     def remove(self, key: str) -> None:
@@ -319,11 +337,13 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
     Store settings come from the MOONCAKE_* variables of `store_env` (default: this process's
     environment). The ack logs live in `state_dir` (default: the control directory).
     Iteration waits for new manifest lines until the closed marker is there; with
-    `idle_timeout_s`, no new line for that long is a TimeoutError."""
+    `idle_timeout_s`, no new line for that long is a TimeoutError. Samples with rows that
+    hold NaN or infinity are skipped (counted in `skipped_nonfinite`) unless `keep_nonfinite`."""
 
     def __init__(self, control_dir, *, rank: int = 0, world_size: int = 1, fields: str = "specforge",
                  state_dir=None, store_env: Optional[Mapping[str, str]] = None,
-                 idle_timeout_s: Optional[float] = None, poll_interval_s: float = 0.05):
+                 idle_timeout_s: Optional[float] = None, poll_interval_s: float = 0.05,
+                 keep_nonfinite: bool = False):
         super().__init__()
         if fields not in FIELD_SETS:
             raise ValueError(f"fields={fields!r}: use one of {', '.join(FIELD_SETS)}")
@@ -337,6 +357,8 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
         self.settings = reader_settings(os.environ if store_env is None else store_env)
         self.idle_timeout_s = idle_timeout_s
         self.poll_interval_s = poll_interval_s
+        self.keep_nonfinite = keep_nonfinite
+        self.skipped_nonfinite: List[str] = []  # sample ids, in this process
         self._connections: Optional[ProcessConnections] = None
 
     def __getstate__(self):
@@ -361,6 +383,9 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
             if sample_id in acknowledged_or_yielded:
                 continue
             acknowledged_or_yielded.add(sample_id)  # a line repeated in the manifests is one sample
+            if nonfinite_rows(entry) and not self.keep_nonfinite:
+                self.skipped_nonfinite.append(sample_id)
+                continue
             yield self._sample(entry)
 
     def ack(self, sample_ids: Iterable[str]) -> None:
@@ -436,6 +461,9 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
             except TimeoutError as error:
                 raise LookupError(f"manifest line of rid {rid!r}: its object {handle} is not in the store: "
                                   f"removed, or the store lost it") from error
+            for name, spec in entry["transfer_manifest"]["tensors"].items():
+                check_checksum(f"the tensor {name} of the object {handle} of rid {rid!r}", spec.get(CHECKSUM_FIELD),
+                               [stored[name].contiguous().view(-1).view(torch.uint8).numpy()])
             token_ids = stored["token_ids"]
             loss_mask = stored["loss_mask"]
             hidden_states = stored["hidden_states"]

@@ -28,7 +28,7 @@ from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 from scripts.online import stream as stream_module
 from scripts.online.master import MooncakeMaster
 from scripts.online.stream import CLOSED_MARKER, AckLog, HiddenStatesStream, acknowledged, acknowledged_count
-from scripts.dump_format import FP8_ENCODING, dequantize_rows, manifest_name, quantize_rows
+from scripts.dump_format import ChecksumMismatch, FP8_ENCODING, checksum_of, dequantize_rows, manifest_name, quantize_rows
 
 NUM_TOKENS = 5
 HIDDEN_SIZE = 8
@@ -108,8 +108,11 @@ class Publisher:
                 **settings, master_server_address=env["MOONCAKE_MASTER_SERVER_ADDR"])).setup()
             self.store = self.hs_store._store  # its client, which the tests look objects up with
 
-    def publish(self, index: int, layers: List[int], fp8: bool = False) -> str:
-        """Publish this writer's sample `index` (its tensors: dump_tensors of the id returned)."""
+    def publish(self, index: int, layers: List[int], fp8: bool = False, checksums: bool = True,
+                nonfinite_rows: int = 0) -> str:
+        """Publish this writer's sample `index` (its tensors: dump_tensors of the id returned),
+        its line with the checksum of each object (SpecForge's layout) or tensor (hs-connectors'),
+        unless not `checksums` (a line written before checksums), and `nonfinite_rows`."""
         sample_id = f"{self.writer_id}-dp0-run1-{index:09d}"
         tensors = dump_tensors(sample_id, layers, fp8)
         store_id = f"test-{self.control_dir.parent.name}"
@@ -118,12 +121,18 @@ class Publisher:
             "dtype": "float8_e4m3fn" if fp8 else "bfloat16", "layer_convention": "id i: ...",
             "eagle3_draft_layer_ids": [], "sink": "mooncake", "layout": self.layout, "sample_id": sample_id,
             "encoding": FP8_ENCODING if fp8 else "plain", "model_dtype": "bfloat16",
+            "nonfinite_rows": nonfinite_rows,
         }
         if self.layout == "specforge":
             line["objects"], line["bytes"] = self._put_objects(f"{store_id}/{sample_id}/g1", tensors)
         else:
             line["transfer_manifest"] = self._put_packed(f"{store_id}/{sample_id}", tensors)
             line["bytes"] = line["transfer_manifest"]["metadata"]["total_aligned_bytes"]
+        specs = line["objects"] if self.layout == "specforge" else line["transfer_manifest"]["tensors"]
+        for spec in specs.values():
+            stored = spec.pop("stored")
+            if checksums:
+                spec["checksum"] = checksum_of([stored.contiguous().view(-1).view(torch.uint8).numpy()])
         with open(self.control_dir / manifest_name(0, self.writer_id), "a") as manifest:
             manifest.write(json.dumps(line) + "\n")
         self.published[sample_id] = line
@@ -145,7 +154,8 @@ class Publisher:
         for name, tensor in objects.items():
             key = f"{prefix}/{name}"
             assert self.store.put(key, tensor.contiguous().view(torch.uint8).numpy().tobytes(), hard_pinned) == 0
-            specs[name] = {"key": key, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+            specs[name] = {"key": key, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                           "stored": tensor}
         return specs, sum(tensor.nbytes for tensor in objects.values())
 
     def _put_packed(self, handle: str, tensors: Dict[str, torch.Tensor]) -> dict:
@@ -155,7 +165,10 @@ class Publisher:
                              "metadata": {"num_tokens": NUM_TOKENS, "total_aligned_bytes": total_bytes,
                                           "extract_mode": "sglang-hidden-states-dump"}}
         self.hs_store.put_sample(transfer_manifest, tensors)
-        return json.loads(json.dumps(transfer_manifest))  # as a reader gets it from the manifest
+        read_back = json.loads(json.dumps(transfer_manifest))  # as a reader gets it from the manifest
+        for name, spec in read_back["tensors"].items():
+            spec["stored"] = tensors[name]
+        return read_back
 
     def object_keys(self, sample_id: str) -> List[str]:
         line = self.published[sample_id]
@@ -167,6 +180,25 @@ class Publisher:
         sizes = [self.store.get_size(key) for key in self.object_keys(sample_id)]
         assert all(size >= 0 for size in sizes) or all(size < 0 for size in sizes), sizes
         return sizes[0] >= 0
+
+
+    def overwrite(self, sample_id: str, other: str) -> None:
+        """Put sample `other`'s bytes under `sample_id`'s keys, as a stale or foreign object
+        under a reused key would be: same sizes, other bytes."""
+        line = self.published[sample_id]
+        tensors = dump_tensors(other, line["layers"])
+        hard_pinned = ReplicateConfig()
+        hard_pinned.replica_num = 1
+        hard_pinned.with_hard_pin = True
+        if self.layout == "specforge":
+            spec = line["objects"]["hidden_state"]
+            assert self.store.remove(spec["key"], force=True) == 0
+            value = tensors["hidden_states"].contiguous().view(torch.uint8).numpy().tobytes()
+            assert self.store.put(spec["key"], value, hard_pinned) == 0
+        else:
+            manifest = line["transfer_manifest"]
+            self.hs_store.delete_sample(manifest["handle"])
+            self.hs_store.put_sample(manifest, tensors)
 
 
 def close(control_dir) -> None:
@@ -507,3 +539,29 @@ def test_a_worker_forked_from_a_process_holding_a_client_says_how_to_start_worke
     forked = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1, multiprocessing_context="fork")
     with pytest.raises(RuntimeError, match="multiprocessing_context='spawn'"):
         list(forked)
+
+
+@pytest.mark.parametrize("layout", ["specforge", "hs-connectors"])
+def test_an_object_overwritten_under_its_key_is_refused_by_name(master, control_dir, layout):
+    publisher = Publisher(control_dir, master.env(), layout, "a")
+    untouched = publisher.publish(0, [1, 2, 3])
+    overwritten = publisher.publish(1, [1, 2, 3])
+    publisher.overwrite(overwritten, "someone-else")
+    close(control_dir)
+    stream = iter(HiddenStatesStream(control_dir, store_env=master.env()))
+    assert next(stream)["sample_id"] == untouched  # the negative control: read and checked
+    with pytest.raises(ChecksumMismatch, match=f"rid-{overwritten}"):
+        next(stream)
+
+
+def test_samples_flagged_nonfinite_are_skipped_unless_kept_and_lines_without_checksums_read(master, control_dir):
+    publisher = Publisher(control_dir, master.env(), "specforge", "a")
+    clean = publisher.publish(0, [1, 2, 3])
+    flagged = publisher.publish(1, [1, 2, 3], nonfinite_rows=2)
+    unchecked = publisher.publish(2, [1, 2, 3], checksums=False)  # written before checksums
+    close(control_dir)
+    stream = HiddenStatesStream(control_dir, store_env=master.env())
+    assert [sample["sample_id"] for sample in stream] == [clean, unchecked]
+    assert stream.skipped_nonfinite == [flagged]
+    kept = HiddenStatesStream(control_dir, store_env=master.env(), keep_nonfinite=True)
+    assert [sample["sample_id"] for sample in kept] == [clean, flagged, unchecked]

@@ -19,7 +19,14 @@ import torch
 
 from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
 from sglang.srt.hidden_states_dump.config import DumpConfig
-from sglang.srt.hidden_states_dump.format import MANIFEST_NAME, file_metadata, load_dump, read_manifest
+from sglang.srt.hidden_states_dump.format import (
+    CHECKSUM_FIELD,
+    MANIFEST_NAME,
+    checksum_of,
+    file_metadata,
+    load_dump,
+    read_manifest,
+)
 from sglang.srt.hidden_states_dump.requests import DumpRequest
 
 HIDDEN_SIZE = 3
@@ -130,8 +137,13 @@ def wait_for_writer(dumper: HiddenStatesDumper, dump_dir) -> List[dict]:
 
 
 def assert_dumped(dump_dir, line, token_ids, layer_ids) -> None:
-    """The file of manifest line `line` holds exactly the prompt `token_ids`."""
-    record = load_dump(os.path.join(dump_dir, line["file"]))
+    """The file of manifest line `line` holds exactly the prompt `token_ids`, and the line
+    the checksum of its bytes."""
+    path = os.path.join(dump_dir, line["file"])
+    with open(path, "rb") as f:
+        assert line[CHECKSUM_FIELD] == checksum_of([f.read()])
+    assert line["nonfinite_rows"] == 0
+    record = load_dump(path, checksum=line[CHECKSUM_FIELD])
     expected_layers = torch.stack(
         [layer_rows(token_ids, layer_id) for layer_id in layer_ids], dim=1
     )

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from scripts.paths import REPO_ROOT
@@ -58,3 +59,25 @@ def test_the_blocker_stops_an_import_of_sglang(dump_dir):
     result = read_in_a_fresh_interpreter(dump_dir, script)
     assert result.returncode != 0
     assert "must not be imported by the dump's reader" in result.stderr
+
+
+def test_a_byte_flipped_in_the_rows_is_refused_by_name_and_an_untouched_file_loads(tmp_path):
+    from sglang.srt.hidden_states_dump.format import (
+        ChecksumMismatch, file_checksum, load_dump, read_manifest)
+
+    dumper = start_dumper(tmp_path, [0, 2])
+    run_forward(dumper, [(DumpRequest("r", 9), prompt(300, 9), 0)])
+    [entry] = wait_for_manifest(tmp_path, ["r"])
+    path = tmp_path / entry["file"]
+    # The negative control: untouched, it loads checked, and hashes to its line's checksum.
+    assert load_dump(str(path), checksum=entry["checksum"]).token_ids.tolist() == prompt(300, 9)
+    assert file_checksum(str(path), entry["checksum"]) == entry["checksum"]
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header + (len(data) - header) // 2] ^= 0x01  # inside the rows, past the header
+    path.write_bytes(bytes(data))
+    assert load_dump(str(path)).token_ids.numel() == 9  # still a valid safetensors file
+    with pytest.raises(ChecksumMismatch, match=entry["file"]):
+        load_dump(str(path), checksum=entry["checksum"])
+    assert file_checksum(str(path), entry["checksum"]) != entry["checksum"]
+    assert read_manifest(str(tmp_path))[0]["checksum"] == entry["checksum"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang.srt.hidden_states_dump.config import DumpConfig, MooncakeSettings
-from sglang.srt.hidden_states_dump.format import META_INFO_KEY, load_dump, read_manifest
+from sglang.srt.hidden_states_dump.format import META_INFO_KEY, checksum_of, load_dump, read_manifest
 from sglang.srt.hidden_states_dump.requests import DumpRequest
 from sglang.srt.hidden_states_dump.store_layouts import REF_CHANNEL
 from tests.unit.dump_standins import (
@@ -132,6 +132,8 @@ def test_specforge_layout_equals_the_file_sink_and_specforge_reads_it(tmp_path, 
         assert torch.equal(tensors["attention_mask"], torch.ones(1, num_tokens, dtype=torch.int64))
         mask = [0, 0, 1, 1, 1] if rid == "a" else [1] * 7
         assert tensors["loss_mask"].tolist() == [mask]
+        for name, spec in lines[rid]["objects"].items():  # each object's checksum, of what SpecForge reads
+            assert spec["checksum"] == checksum_of([tensors[name].contiguous().view(-1).view(torch.uint8).numpy()]), name
 
 
 @pytest.mark.parametrize("dtype", [None, "fp8"])
@@ -145,9 +147,13 @@ def test_hs_connectors_layout_equals_the_file_sink_and_get_sample_reads_it(tmp_p
     dumper = start_dumper(control, LAYERS, dtype=dtype)
     reported = feed(dumper)
     wait_for_stats(dumper, lambda counters: counters["files"] == 2)
-    for line in read_manifest(str(control)):  # each response: the transfer manifest
-        assert reported[line["rid"]]["transfer_manifest"] == line["transfer_manifest"]
+    for line in read_manifest(str(control)):  # each response: the transfer manifest, before its checksums
+        manifest = line["transfer_manifest"]
+        assert reported[line["rid"]]["transfer_manifest"] == dict(
+            manifest, metadata={k: v for k, v in manifest["metadata"].items() if k != "checksum"},
+            tensors={name: {k: v for k, v in spec.items() if k != "checksum"} for name, spec in manifest["tensors"].items()})
         assert reported[line["rid"]]["sample_id"] == line["sample_id"]
+        assert line["checksum"] == manifest["metadata"]["checksum"]
     env = master.env()
     reader = MooncakeHiddenStatesStore(MooncakeStoreConfig(
         local_hostname=env["MOONCAKE_LOCAL_HOSTNAME"], metadata_server=env["MOONCAKE_METADATA_SERVER"],
@@ -163,6 +169,11 @@ def test_hs_connectors_layout_equals_the_file_sink_and_get_sample_reads_it(tmp_p
             assert torch.equal(bits(sample[name]), bits(getattr(record, name))), name
         mask = [0, 0, 1, 1, 1] if line["rid"] == "a" else [1] * 7
         assert sample["loss_mask"].tolist() == mask
+        for name, spec in line["transfer_manifest"]["tensors"].items():  # each tensor's checksum, of what is read
+            assert spec["checksum"] == checksum_of([sample[name].contiguous().view(-1).view(torch.uint8).numpy()]), name
+        # The packed object's, of its bytes as stored (padding included).
+        packed = reader._read_from_store(line["transfer_manifest"]["handle"])
+        assert line["checksum"] == checksum_of([packed.numpy()])
         reader.delete_sample(line["transfer_manifest"]["handle"])
 
 

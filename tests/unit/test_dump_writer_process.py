@@ -6,8 +6,10 @@ fails the files it held and every later one, counted, and nothing waits for it."
 import os
 import signal
 import threading
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from sglang.srt.hidden_states_dump import copier, files, format
 from sglang.srt.hidden_states_dump.format import read_manifest
@@ -17,6 +19,8 @@ from sglang.srt.hidden_states_dump.writer import DumpWriter
 from tests.unit.dump_standins import (
     assert_dir_holds_exactly,
     assert_dumped,
+    final_rows,
+    layer_rows,
     prompt,
     run_forward,
     start_dumper,
@@ -124,3 +128,42 @@ def test_the_writer_process_outlives_the_thread_that_built_the_dumper(dump_dir):
     assert [line["rid"] for line in wait_for_manifest(dump_dir, rids)] == rids
     assert dumper.writer.process.poll() is None
     assert stats(dumper)["errors"] == 0
+
+
+@pytest.mark.parametrize("writer_process", [True, False])
+@pytest.mark.parametrize("dtype", [None, "fp8"])
+def test_rows_holding_nan_or_infinity_are_flagged_in_the_manifest_and_counted(tmp_path, writer_process, dtype):
+    """One forward of two requests: a NaN in one layer of a row and an infinity in the final
+    state of another row of the first; the second's rows are all finite (the control)."""
+    dumper = start_dumper(tmp_path, LAYER_IDS, dtype=dtype, writer_process=writer_process)
+    bad, good = prompt(700, 6), prompt(800, 5)
+    token_ids = bad + good
+    forward_batch = SimpleNamespace(
+        hidden_states_dump_requests=[DumpRequest("bad", len(bad)), DumpRequest("good", len(good))],
+        extend_prefix_lens_cpu=[0, 0], extend_seq_lens_cpu=[len(bad), len(good)],
+        input_ids=torch.tensor(token_ids, dtype=torch.int32))
+    aux = [layer_rows(token_ids, layer_id) for layer_id in LAYER_IDS]
+    final = final_rows(token_ids)
+    aux[1][2, 0] = float("nan")
+    final[4, 1] = float("inf")
+    dumper.capture(forward_batch, final, aux)
+    lines = {line["rid"]: line for line in wait_for_manifest(tmp_path, ["bad", "good"])}
+    assert {rid: line["nonfinite_rows"] for rid, line in lines.items()} == {"bad": 2, "good": 0}
+    counters = wait_for_stats(dumper, lambda counters: counters["files"] == 2)
+    assert counters["nonfinite"] == 1
+    for line in lines.values():  # flagged, not withheld: the file is written whole, checksummed
+        assert format.load_dump(str(tmp_path / line["file"]), checksum=line["checksum"]).token_ids.numel() == \
+            line["num_tokens"]
+
+
+def test_the_writer_process_loads_xxhash_by_its_file_alone(tmp_path):
+    """The writer process runs isolated from site-packages (python -I -S): it loads xxhash's
+    compiled module from the file the scheduler names, and hashes as the reader does."""
+    import subprocess
+    import sys
+
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(files.__file__)!r}); import files; "
+              f"files.load_xxhash(sys.argv[1]); print(files.checksum([b'abc', b'def']))")
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", script, files.xxhash_extension()],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == format.checksum_of([b"abcdef"])

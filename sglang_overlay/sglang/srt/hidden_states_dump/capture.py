@@ -49,7 +49,7 @@ from sglang.version import __version__
 logger = logging.getLogger(__name__)
 
 # The dump's own revision within the series, bumped when what it writes or refuses changes.
-SERIES_REVISION = 5
+SERIES_REVISION = 6
 SERIES_VERSION = f"{__version__}-{SERIES_REVISION}"
 
 
@@ -290,12 +290,14 @@ class HiddenStatesDumper:
         """The forward's rows (`_rows`) and, on a CUDA device, the event they are complete
         under: gathered there on a stream of their own, so the forward does not wait."""
         if hidden_states.device.type != "cuda":
-            return self._rows(forward_batch, hidden_states, aux_hidden_states, spans), None
+            rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+            return with_finite_rows(rows), None
         # Taken on the forward's stream, before the next forward can refill their buffer.
         token_ids = self._token_ids(forward_batch, spans)
         stream = self._gather_stream_after(hidden_states, aux_hidden_states)
         with torch.cuda.stream(stream):
             rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans, token_ids)
+            rows = with_finite_rows(rows)
             gathered = torch.cuda.Event()
             gathered.record(stream)
         return rows, gathered
@@ -389,6 +391,19 @@ def check_layers_for_layout(config: DumpConfig, layer_ids: List[int], num_layers
             f"is fed, the EAGLE-3 layers in ascending order and below L={num_layers}; for "
             f"layer L (speculators) use the hs-connectors layout."
         )
+
+
+def with_finite_rows(rows: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The rows and `finite_rows` [T] bool: whether every value of each row (all its layers
+    and its final state) is finite. One min-max reduction per state tensor where the rows
+    are (NaN propagates through both, an infinity is one of them), no full-size temporary;
+    the flags reach the host with the rows, by the same copy, so nothing waits for them."""
+    finite = None
+    for name in ("hidden_states", "last_hidden_state"):
+        low, high = torch.aminmax(rows[name].flatten(1), dim=-1)
+        flags = low.isfinite() & high.isfinite()
+        finite = flags if finite is None else finite & flags
+    return dict(rows, finite_rows=finite)
 
 
 def dumped_rows(tensor: torch.Tensor, spans) -> torch.Tensor:

@@ -3,13 +3,20 @@ complete, then listed with one manifest line, in submission order. So every mani
 names a complete file, and a killed writer leaves at most one renamed file that no line
 names.
 
-The standard library only: run as a script, this module is the writer process
-(`WriterProcess`), which writes the files of a server's dump outside the scheduler's
-process, so that its system calls never take the interpreter lock from the scheduler
-thread (BENCHMARKS.md, "The writer process").
+Every file's manifest line carries the checksum of the bytes written (format.CHECKSUM_FIELD),
+taken by XXH3-128 as they are written: 28 GB/s on one core of the writer's host, the interpreter
+lock released (BENCHMARKS.md, "Checksums"), where hashlib's fastest, sha256, takes 1.75.
+
+The standard library only, and xxhash's compiled module: run as a script, this module is the
+writer process (`WriterProcess`), which writes the files of a server's dump outside the
+scheduler's process, so that its system calls never take the interpreter lock from the
+scheduler thread (BENCHMARKS.md, "The writer process"); it runs isolated from the server's
+site-packages and loads that one module from the file the scheduler names.
 """
 
 import fcntl
+import importlib.util
+import json
 import mmap
 import os
 import pickle
@@ -26,6 +33,47 @@ from typing import Callable, Dict, List, Optional, Tuple
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 # Name prefix of files being written (format.TEMP_PREFIX, which imports torch).
 TEMP_PREFIX = ".partial-"
+# The checksum every manifest line carries (format.CHECKSUM_FIELD), "xxh3_128:<hex digest>".
+CHECKSUM_FIELD = "checksum"
+CHECKSUM_ALGORITHM = "xxh3_128"
+_xxhash = None  # xxhash's compiled module, once loaded
+
+
+def xxhash_extension() -> str:
+    """The file of xxhash's compiled module, for a writer process that cannot import it."""
+    import xxhash._xxhash
+
+    return xxhash._xxhash.__file__
+
+
+def load_xxhash(extension: Optional[str] = None):
+    """xxhash's compiled module: imported, or loaded from `extension` (its file) in a process
+    that runs on the standard library alone."""
+    global _xxhash
+    if _xxhash is None:
+        if extension is None:
+            import xxhash._xxhash as module
+        else:
+            spec = importlib.util.spec_from_file_location("_xxhash", extension)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        _xxhash = module
+    return _xxhash
+
+
+def checksum(buffers) -> str:
+    """The checksum of `buffers`' bytes, back to back, as a manifest line carries it."""
+    running = load_xxhash().xxh3_128()
+    for buffer in buffers:
+        running.update(buffer)
+    return f"{CHECKSUM_ALGORITHM}:{running.hexdigest()}"
+
+
+def with_checksum(line: str, value: str) -> str:
+    """A manifest line with its sample's checksum."""
+    entry = json.loads(line)
+    entry[CHECKSUM_FIELD] = value
+    return json.dumps(entry)
 
 
 class InOrder:
@@ -59,10 +107,12 @@ class InOrder:
             publish()
 
 
-def write_temp_file(dump_dir: str, name: str, buffers: List[memoryview]) -> Tuple[str, int, int]:
+def write_temp_file(dump_dir: str, name: str, buffers: List[memoryview]) -> Tuple[str, int, int, str]:
     """Write `buffers` back to back into a new temporary file for `name` and fsync it;
-    returns (its path, its descriptor, open and locked until it is published, its size).
-    The lock tells a writer starting on the same directory that the file is not stale."""
+    returns (its path, its descriptor, open and locked until it is published, its size, the
+    checksum of its bytes). The lock tells a writer starting on the same directory that the
+    file is not stale."""
+    value = checksum(buffers)
     temp_path = os.path.join(dump_dir, TEMP_PREFIX + name)
     fd = open_new_file(temp_path)
     try:
@@ -73,7 +123,7 @@ def write_temp_file(dump_dir: str, name: str, buffers: List[memoryview]) -> Tupl
         os.close(fd)
         remove_quietly(temp_path)
         raise
-    return temp_path, fd, size
+    return temp_path, fd, size, value
 
 
 def publish_file(dump_dir: str, manifest_name: str, name: str, temp_path: str, line: str) -> None:
@@ -223,8 +273,8 @@ class WriterProcess:
     def write(self, job) -> tuple:
         """Write a job's file under its temporary name (on a writer thread)."""
         name, buffers, line = job
-        temp_path, fd, size = write_temp_file(self.dump_dir, name, buffers)
-        return name, temp_path, fd, size, line
+        temp_path, fd, size, value = write_temp_file(self.dump_dir, name, buffers)
+        return name, temp_path, fd, size, with_checksum(line, value)
 
     def publish(self, written) -> int:
         """In the job's turn: rename its file and append its manifest line; its size."""
@@ -293,9 +343,10 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: List[str]) -> int:
-    """python files.py SOCKET_FD DUMP_DIR MANIFEST_NAME THREADS PARENT_PID"""
-    fd, dump_dir, manifest_name, threads, parent_pid = argv
+    """python files.py SOCKET_FD DUMP_DIR MANIFEST_NAME THREADS PARENT_PID XXHASH_EXTENSION"""
+    fd, dump_dir, manifest_name, threads, parent_pid, extension = argv
     die_with_parent(int(parent_pid))
+    load_xxhash(extension)
     # The server's signals are for the scheduler, which drains through this process and
     # then closes the socket: that is when this process ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -15,10 +15,14 @@ metadata's `encoding` says which; load_dump dequantizes by default.
 
 Each writer appends one line per complete file to its own manifest in the directory
 (manifest.jsonl, or manifest-dp<k>.jsonl for data-parallel rank k > 0); read_manifest
-and ManifestFollower read them all as one.
+and ManifestFollower read them all as one. A line carries the checksum of its file's bytes
+("checksum": "xxh3_128:<hex>", absent in dumps written before checksums) and how many of
+its rows hold NaN or infinity ("nonfinite_rows"); load_dump checks the first,
+nonfinite_rows reads the second.
 
 This module imports nothing from sglang: a trainer's machine reads a dump with torch and
-safetensors alone (load this file by its path where SGLang is not installed).
+safetensors alone (load this file by its path where SGLang is not installed), and checks
+it with xxhash.
 """
 
 import json
@@ -50,6 +54,12 @@ LAYER_CONVENTION = (
 PLAIN_ENCODING = "plain"
 FP8_ENCODING = "fp8_e4m3_row_scaled"
 FP8_MAX = 448.0  # the largest float8 e4m3 (fn) value
+# A manifest line's checksum of its sample ("<algorithm>:<hex digest>"; files.py computes it
+# as it writes) and its count of rows that hold NaN or infinity (capture.py finds them on
+# the device).
+CHECKSUM_FIELD = "checksum"
+NONFINITE_FIELD = "nonfinite_rows"
+READ_BLOCK_BYTES = 16 << 20
 
 # The tensors of a file, in file order (the scales only in fp8 files).
 FILE_TENSORS = (
@@ -179,9 +189,15 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def manifest_entry(
-    rid: str, file: str, num_tokens: int, metadata: Dict[str, str], hidden_states: torch.Tensor
+    rid: str,
+    file: str,
+    num_tokens: int,
+    metadata: Dict[str, str],
+    hidden_states: torch.Tensor,
+    nonfinite_rows: int = 0,
 ) -> dict:
-    """The manifest line of one file (read back by read_manifest)."""
+    """The manifest line of one file (read back by read_manifest); the writer adds the
+    checksum of the file's bytes as it writes them."""
     return {
         "rid": rid,
         "file": file,
@@ -191,7 +207,64 @@ def manifest_entry(
         "dtype": dtype_name(hidden_states.dtype),
         "layer_convention": metadata.get("layer_convention", LAYER_CONVENTION),
         "eagle3_draft_layer_ids": json.loads(metadata.get("eagle3_draft_layer_ids", "[]")),
+        NONFINITE_FIELD: nonfinite_rows,
     }
+
+
+def nonfinite_rows(entry: dict) -> int:
+    """How many of a sample's rows hold NaN or infinity (0 in lines written before the dump
+    counted them)."""
+    return entry.get(NONFINITE_FIELD, 0)
+
+
+class ChecksumMismatch(ValueError):
+    """A sample's bytes are not those its manifest line's checksum was taken of."""
+
+
+def new_checksum(algorithm: str):
+    """A running hash of `algorithm` as a checksum names it."""
+    import xxhash
+
+    if algorithm != "xxh3_128":
+        raise ValueError(f"unknown checksum algorithm {algorithm!r}")
+    return xxhash.xxh3_128()
+
+
+def checksum_of(buffers, algorithm: str = "xxh3_128") -> str:
+    """The checksum ("<algorithm>:<hex>") of `buffers`' bytes, back to back."""
+    running = new_checksum(algorithm)
+    for buffer in buffers:
+        running.update(buffer)
+    return f"{algorithm}:{running.hexdigest()}"
+
+
+def check_checksum(name: str, expected: Optional[str], buffers) -> None:
+    """Raise ChecksumMismatch, naming `name`, when `buffers` do not hash to `expected` (None:
+    a line written before checksums, nothing to check)."""
+    if expected is None:
+        return
+    actual = checksum_of(buffers, expected.split(":", 1)[0])
+    if actual != expected:
+        raise ChecksumMismatch(
+            f"{name}: its bytes changed since they were written (checksum {actual}, its manifest line says {expected})"
+        )
+
+
+def file_checksum(path: str, expected: str, progress=None) -> str:
+    """The checksum of a file's bytes with `expected`'s algorithm, read in blocks;
+    `progress(bytes)` is called after each."""
+    running = new_checksum(expected.split(":", 1)[0])
+    block = bytearray(READ_BLOCK_BYTES)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            size = f.readinto(block)
+            if not size:
+                break
+            running.update(view[:size])
+            if progress is not None:
+                progress(size)
+    return f"{expected.split(':', 1)[0]}:{running.hexdigest()}"
 
 
 def manifest_name(dp_rank: int, writer_id: Optional[str] = None) -> str:
@@ -305,14 +378,26 @@ class DumpRecord:
         return self.metadata.get("encoding", PLAIN_ENCODING)
 
 
-def load_dump(path: str, raw: bool = False) -> DumpRecord:
+def load_dump(path: str, raw: bool = False, checksum: Optional[str] = None) -> DumpRecord:
     """Read one dumped file: the writer's twin, used by tests and tools. fp8 states come
-    back dequantized to the model's dtype, or as stored (with their scales) when `raw`."""
-    from safetensors import safe_open
+    back dequantized to the model's dtype, or as stored (with their scales) when `raw`.
+    With `checksum` (its manifest line's), the bytes read are checked against it first:
+    ChecksumMismatch names the file."""
+    if checksum is None:
+        from safetensors import safe_open
 
-    with safe_open(path, framework="pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-        metadata = f.metadata()
+        with safe_open(path, framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            metadata = f.metadata()
+    else:
+        from safetensors.torch import load
+
+        with open(path, "rb") as f:
+            data = f.read()
+        check_checksum(os.path.basename(path), checksum, [data])
+        tensors = load(data)
+        header_size = int.from_bytes(data[:8], "little")
+        metadata = json.loads(data[8 : 8 + header_size]).get("__metadata__", {})
     record = DumpRecord(metadata=metadata, **tensors)
     if record.encoding == FP8_ENCODING and not raw:
         dtype = getattr(torch, metadata["model_dtype"])
@@ -357,6 +442,7 @@ class DumpCounters(LogLine):
     discarded: int = 0
     host_overflows: int = 0  # forwards whose rows found no room in the host reserve
     store_full: int = 0  # samples that waited for room in a full Mooncake store
+    nonfinite: int = 0  # samples with rows that hold NaN or infinity (flagged in the manifest)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class HostRows:
     ready: Optional[Landing] = None
     hidden_states_scale: Optional[torch.Tensor] = None
     last_hidden_state_scale: Optional[torch.Tensor] = None
+    # [T] bool, whether each row is finite (capture.with_finite_rows); not written to the file.
+    finite_rows: Optional[torch.Tensor] = None
 
     def names(self) -> List[str]:
         """The file's tensors, in file order."""
@@ -54,6 +56,12 @@ class Chunk:
 
     def take(self, name: str) -> torch.Tensor:
         return getattr(self.rows, name)[self.start : self.end]
+
+    def nonfinite_rows(self) -> int:
+        """How many of this chunk's rows hold NaN or infinity (valid once they have landed)."""
+        if self.rows.finite_rows is None:
+            return 0
+        return int(self.take("finite_rows").logical_not().sum())
 
 
 class HostBuffers:

@@ -77,9 +77,9 @@ class ProcessDumpWriter(DumpWriter):
 
     def command(self, fd: int, dump_dir: str, manifest_name: str, threads: int) -> List[str]:
         """The writer process's command line: files.py as a script, on the standard
-        library alone."""
+        library alone and xxhash's compiled module, named by its file."""
         return [sys.executable, "-I", "-S", files.__file__, str(fd), dump_dir, manifest_name,
-                str(threads), str(os.getpid())]
+                str(threads), str(os.getpid()), files.xxhash_extension()]
 
     def job_message(self, job: WriteJob, contents) -> tuple:
         """What the writer process is sent for one job whose rows have landed."""

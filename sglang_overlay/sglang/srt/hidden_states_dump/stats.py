@@ -10,11 +10,11 @@ from sglang.srt.hidden_states_dump.format import DumpCounters, DumpTimings
 
 logger = logging.getLogger(__name__)
 
-# Logged after every error, drop and discard, after the first file (the dump works), at
-# exit, then every LOG_EVERY_FILES files or LOG_INTERVAL_S seconds.
+# Logged after every error, drop, discard and sample with non-finite rows, after the first
+# file (the dump works), at exit, then every LOG_EVERY_FILES files or LOG_INTERVAL_S seconds.
 LOG_INTERVAL_S = 60.0
 LOG_EVERY_FILES = 1000
-ALWAYS_LOGGED = ("errors", "dropped", "discarded")
+ALWAYS_LOGGED = ("errors", "dropped", "discarded", "nonfinite")
 
 
 class DumpStats:

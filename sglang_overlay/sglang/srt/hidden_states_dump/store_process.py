@@ -10,12 +10,18 @@ to the control directory's channel. So a manifest line or a ref always names a c
 sample, and a sample is never half-visible: an object is visible once its put returns, and
 a sample's objects are named only after every put has.
 
+Every object's checksum (files.checksum, of the bytes put) is in the sample's manifest line:
+in SpecForge's layout beside each object's key; in hs-connectors' the packed object's as the
+line's "checksum" and in its transfer manifest's metadata, and each tensor's in the transfer
+manifest's spec of it, which is what a reader that unpacks the object checks.
+
 A full store (-200, NO_AVAILABLE_HANDLE) is waited out under `block`, backing off, which
 fills the scheduler's queue as a slow disk does; under `drop` the sample is dropped and
 counted. Any other failure removes what the sample had put and, in hs-connectors' layout,
 puts its error marker; SpecForge's layout has no per-sample marker (no ref is published).
 """
 
+import ctypes
 import json
 import os
 import signal
@@ -62,15 +68,23 @@ class PinnedPuts:
     def __init__(self, store, config):
         self._store = store
         self._config = config
+        self.checksums: Dict[str, str] = {}  # of each packed object put, by key, until taken
 
     def put_from(self, key: str, pointer: int, size: int) -> int:
-        return checked(key, self._store.put_from(key, pointer, size, self._config))
+        status = checked(key, self._store.put_from(key, pointer, size, self._config))
+        self.checksums[key] = files.checksum([memoryview((ctypes.c_char * size).from_address(pointer)).cast("B")])
+        return status
 
     def put(self, key: str, value: bytes) -> int:
         return checked(key, self._store.put(key, value, self._config))
 
     def __getattr__(self, name: str):
         return getattr(self._store, name)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes, without a copy."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
 
 
 def int64_bytes(values: List[int]) -> memoryview:
@@ -238,6 +252,8 @@ class StoreWriterProcess(files.WriterProcess):
             "attention_mask": ([int64_bytes([1] * len(loss_mask))], False),
         }
         keys = [spec["key"] for spec in objects.values()]
+        for name, spec in objects.items():
+            spec["checksum"] = files.checksum(sources[name][0])
         pointers, sizes = self.contiguous([sources[name] for name in objects])
         statuses = self.store.batch_put_from(keys, pointers, sizes, self.put_config)
         failed = [(key, status) for key, status in zip(keys, statuses) if status != 0]
@@ -265,6 +281,8 @@ class StoreWriterProcess(files.WriterProcess):
             name: self.tensor(rows[name]) for name in manifest["tensors"] if name != "loss_mask"
         }
         values["loss_mask"] = torch.tensor(loss_mask, dtype=torch.int64)
+        for name, value in values.items():
+            manifest["tensors"][name]["checksum"] = files.checksum([tensor_bytes(value)])
         try:
             self.packed.put_sample(manifest, values)
         except StoreFull:
@@ -275,9 +293,11 @@ class StoreWriterProcess(files.WriterProcess):
             except Exception:
                 pass  # the sample is still not published: no manifest line names it
             raise
+        checksum = self.packed._store.checksums.pop(manifest["handle"])
+        manifest["metadata"]["checksum"] = checksum
         extra = dict(encoding=entry.pop("encoding"), model_dtype=entry.pop("model_dtype", None))
         line = store_layouts.store_manifest_line(
-            entry, self.layout, sample, total, transfer_manifest=manifest, **extra
+            entry, self.layout, sample, total, transfer_manifest=manifest, checksum=checksum, **extra
         )
         return line, None, total
 

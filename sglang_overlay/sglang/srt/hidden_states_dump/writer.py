@@ -20,7 +20,12 @@ from typing import Dict, List
 
 import torch
 
-from sglang.srt.hidden_states_dump.files import InOrder, publish_file, write_temp_file
+from sglang.srt.hidden_states_dump.files import (
+    InOrder,
+    publish_file,
+    with_checksum,
+    write_temp_file,
+)
 from sglang.srt.hidden_states_dump.format import (
     TEMP_PREFIX,
     DumpCounters,
@@ -199,8 +204,15 @@ class DumpWriter:
         num_tokens = sum(part.shape[0] for part in parts["token_ids"])
         header = safetensors_header(parts, num_tokens, dict(self.metadata, rid=job.request.rid))
         name = file_name(self.run_id, job.sequence)
+        nonfinite_rows = sum(chunk.nonfinite_rows() for chunk in job.chunks)
+        if nonfinite_rows:
+            logger.warning(
+                f"hidden states dump: request {job.request.rid!r} has {nonfinite_rows} of "
+                f"{num_tokens} rows holding NaN or infinity; flagged in its manifest line"
+            )
+            self.stats.add(nonfinite=1)
         entry = manifest_entry(
-            job.request.rid, name, num_tokens, self.metadata, parts["hidden_states"][0]
+            job.request.rid, name, num_tokens, self.metadata, parts["hidden_states"][0], nonfinite_rows
         )
         tensors = [part for tensors in parts.values() for part in tensors]
         return FileContents(name, header, parts, tensors, json.dumps(entry), num_tokens, copied - started)
@@ -212,12 +224,13 @@ class DumpWriter:
         started = time.perf_counter()
         # The chunks go straight from the host rows to the file, in as few system calls as
         # the kernel takes: no concatenated copy, no serialized copy.
-        temp_path, fd, size = write_temp_file(
+        temp_path, fd, size, checksum = write_temp_file(
             self.dump_dir, contents.name, [contents.header, *map(tensor_bytes, contents.tensors)]
         )
         seconds = dict(copy_wait_ms=contents.copy_wait, write_ms=time.perf_counter() - started)
+        line = with_checksum(contents.line, checksum)
         return WrittenFile(
-            job.request.rid, contents.name, temp_path, fd, contents.line, contents.num_tokens, size, seconds
+            job.request.rid, contents.name, temp_path, fd, line, contents.num_tokens, size, seconds
         )
 
     def _publish(self, written: WrittenFile) -> None:
