@@ -7,6 +7,9 @@ taken from its queue (all but the first `after` jobs) (it first creates
 queue full first writes the request's id to `<gate>.full`, so a test knows the scheduler is
 about to wait for room (under `block`) or drop it (under `drop`).
 
+`poison_rows`: a NaN in one dumped row of the requests whose rid starts with a prefix, put
+into the dump's rows before it looks for non-finite ones (the forward stays finite).
+
 `report_pid`: writes the scheduler's process id to a file, so a test can set that process's
 limits, and its writer process's, from outside them (`resource.prlimit`), while it serves.
 
@@ -64,3 +67,32 @@ def report_pid_spec(pid_file: Path) -> str:
 
     return json.dumps([{"name": "report_pid", "target_modules": ["model.norm"],
                         "hook_factory": "tests.server.fault_hooks:report_pid", "config": {"pid_file": str(pid_file)}}])
+
+
+def poison_rows(config):
+    """A NaN in one captured row of each dumped request whose rid starts with `rid_prefix`,
+    put into the dump's own rows after they are taken off the forward and before the dump
+    looks for non-finite rows (the forward itself, and so serving, stays finite)."""
+    from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
+
+    prefix = config["rid_prefix"]
+    rows_of = HiddenStatesDumper._rows
+
+    def poisoned_rows(self, forward_batch, hidden_states, aux_hidden_states, spans, token_ids=None):
+        rows = rows_of(self, forward_batch, hidden_states, aux_hidden_states, spans, token_ids)
+        offset = 0
+        for request, _, start, end in spans:
+            if request.rid.startswith(prefix):
+                rows["hidden_states"][offset + min(1, end - start - 1), 0, 0] = float("nan")
+            offset += end - start
+        return rows
+
+    HiddenStatesDumper._rows = poisoned_rows
+    return lambda module, inputs, output: None
+
+
+def poison_rows_spec(rid_prefix: str) -> str:
+    import json
+
+    return json.dumps([{"name": "poison_rows", "target_modules": ["model.norm"],
+                        "hook_factory": "tests.server.fault_hooks:poison_rows", "config": {"rid_prefix": rid_prefix}}])
