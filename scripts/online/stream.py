@@ -21,8 +21,10 @@ Each sample read is checked against the checksums its manifest line carries (eac
 in SpecForge's layout, each tensor's in hs-connectors'): an object that is not the one the
 writer put (a stale or foreign object under a reused key, bytes changed in the store) is
 refused with ChecksumMismatch naming the sample and the key. A sample whose rows hold NaN or
-infinity (its line's nonfinite_rows) is skipped unless `keep_nonfinite`; lines written
-before checksums are read unchecked.
+infinity (its line's nonfinite_rows) is skipped unless `keep_nonfinite`, and the rank's next
+`ack` logs it with the samples acknowledged and removes its objects (skipped, it is never
+acknowledged by a trainer, and would stay pinned); lines written before checksums are read
+unchecked.
 
 `ack` records the samples a trainer has trained on, durably, and only then removes them from
 the store; a stream started later (a restarted trainer) skips every acknowledged sample, so
@@ -321,6 +323,7 @@ class ProcessConnections:
         self.ack_follower: Optional[ManifestFollower] = None
         self.unacknowledged_keys: Dict[str, List[str]] = {}  # this rank's sample ids: their store keys
         self.unremoved_keys: Dict[str, List[str]] = {}  # acknowledged before a kill: their store keys
+        self.skipped: Dict[str, None] = {}  # this rank's samples flagged nonfinite, left to log and remove
 
 
 class HiddenStatesStream(torch.utils.data.IterableDataset):
@@ -404,6 +407,8 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
             check_entry(entry)
             if rank_of(entry["sample_id"], self.world_size) == self.rank:
                 connections.unacknowledged_keys[entry["sample_id"]] = object_keys(entry)
+                if nonfinite_rows(entry) and not self.keep_nonfinite:
+                    connections.skipped[entry["sample_id"]] = None
             if entry["sample_id"] in connections.unremoved_keys:
                 connections.unremoved_keys[entry["sample_id"]] = object_keys(entry)
         unknown = [sample_id for sample_id in sample_ids if sample_id not in connections.unacknowledged_keys]
@@ -412,8 +417,12 @@ class HiddenStatesStream(torch.utils.data.IterableDataset):
                              f"acknowledge: {unknown}")
         for sample_id in list(connections.unremoved_keys):
             self._remove(connections.unremoved_keys.pop(sample_id))
-        connections.ack_log.append(sample_ids)
-        for sample_id in sample_ids:
+        # With them, the rank's skipped samples seen so far: logged and removed like them.
+        logged = list(dict.fromkeys(sample_ids + [sample_id for sample_id in connections.skipped
+                                                  if sample_id in connections.unacknowledged_keys]))
+        connections.skipped.clear()
+        connections.ack_log.append(logged)
+        for sample_id in logged:
             self._remove(connections.unacknowledged_keys.pop(sample_id))
         connections.ack_log.mark_removed()
 

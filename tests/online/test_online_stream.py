@@ -565,3 +565,26 @@ def test_samples_flagged_nonfinite_are_skipped_unless_kept_and_lines_without_che
     assert stream.skipped_nonfinite == [flagged]
     kept = HiddenStatesStream(control_dir, store_env=master.env(), keep_nonfinite=True)
     assert [sample["sample_id"] for sample in kept] == [clean, flagged, unchecked]
+
+
+@pytest.mark.parametrize("keep_nonfinite", [False, True])
+def test_a_skipped_sample_is_removed_with_the_next_ack_not_left_pinned(control_dir, keep_nonfinite):
+    """Counted by the store's master: a skipped sample is never acknowledged by the trainer, so
+    the stream's ack removes it; kept (the control), it is the trainer's to acknowledge."""
+    with MooncakeMaster(segment_size=STORE_MEMORY) as store:
+        publisher = Publisher(control_dir, store.env(), "specforge", "a")
+        publisher.publish(0, [1, 2, 3])
+        flagged = publisher.publish(1, [1, 2, 3], nonfinite_rows=1)
+        publisher.publish(2, [1, 2, 3])
+        close(control_dir)
+        stream = HiddenStatesStream(control_dir, store_env=store.env(), keep_nonfinite=keep_nonfinite)
+        trained = [sample["sample_id"] for sample in stream if sample["sample_id"] != flagged]
+        stream.ack(trained)
+        if keep_nonfinite:
+            assert flagged not in acknowledged(control_dir)
+            assert store.key_count() > 0
+            stream.ack([flagged])
+        else:
+            assert flagged in acknowledged(control_dir)
+        assert store.key_count() == 0
+        assert list(HiddenStatesStream(control_dir, store_env=store.env())) == []
