@@ -37,7 +37,7 @@ def test_drop_policy_never_waits_and_counts_every_drop(model_l3, tmp_path):
         log = server.log()
         assert read_manifest(str(server.dump_dir)) == []  # the disk is stalled
         assert dump_stats(log) == dict(files=0, tokens=0, bytes=0, errors=0, dropped=6, discarded=0,
-                                      host_overflows=0, store_full=0)
+                                      host_overflows=0, store_full=0, nonfinite=0)
         for i in range(2, 8):
             assert f"hidden states dump: queue full, dropped request 'drop-{i}'" in log
 
