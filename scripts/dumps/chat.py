@@ -103,6 +103,18 @@ class ChatEncoder:
         mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"]]
         return ids, mask
 
+    def generation_prompt(self, messages: List[dict]) -> List[int]:
+        """The token ids that ask the model for the next assistant turn after `messages`:
+        the template's rendering with its generation prompt, tokenized as `encode` does."""
+        if not self.template:
+            raise Rejected("template", "a conversation, and the tokenizer has no chat template: pass --chat-template FILE")
+        text = self._render(messages, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: List[int]) -> str:
+        """An answer's text, as a chat client shows it: its special tokens left out."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def encode_text(self, text: str) -> Tuple[List[int], List[int]]:
         """(token ids, loss mask) of a plain text record: every token in the loss."""
         ids = list(self.tokenizer(text)["input_ids"])

@@ -17,6 +17,9 @@ prompt. Once the dump's manifest lists the file, the sample gets its line in
 DIR/samples.jsonl; records that are not samples go to DIR/rejected.jsonl with their line
 and reason (scripts/dumps/samples.py).
 
+With --regenerate the served model first writes every assistant turn again, into
+DIR/regenerated.jsonl, and those conversations are what is dumped (scripts/dumps/regenerate.py).
+
 Resume: run the same command again. Samples in samples.jsonl are skipped; a sample the
 manifest lists but samples.jsonl does not (the command died between the two) gets its line
 without being sent again; the rest are sent. Records already in rejected.jsonl are not
@@ -45,6 +48,15 @@ from scripts.dump_format import LOSS_MASK_PARAM, META_INFO_KEY, REF_CHANNEL, Man
 from scripts.dumps.chat import LOSS_MASKS, ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import Rejected, Sample, open_dataset, read_samples
 from scripts.dumps.progress import human_bytes, progress_bar
+from scripts.dumps.regenerate import (
+    REGENERATE_REJECTED_NAME,
+    REGENERATED_NAME,
+    TRUNCATED,
+    RegenerateTally,
+    Regeneration,
+    Sampling,
+    regenerated_metadata,
+)
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, AppendOnlyLines, read_lines, samples_line
 from scripts.dumps.server import Server, has_gpu, runtime_env
 from scripts.online.stream import CLOSED_MARKER, acknowledged_count
@@ -173,8 +185,10 @@ class Generation:
 
     def __init__(self, endpoints: List[Endpoint], out: Path, encoder: ChatEncoder, max_tokens: Optional[int],
                  max_tokens_why: str, concurrency: int, retries: int, manifest_timeout: float,
-                 max_unconsumed: Optional[int] = None):
+                 max_unconsumed: Optional[int] = None, sample_extras: Optional[Dict[str, dict]] = None):
         self.endpoints, self.out, self.encoder = endpoints, out, encoder
+        # rid -> what its samples line carries besides (with --regenerate: how it was regenerated)
+        self.sample_extras = sample_extras or {}
         # With a store sink: samples the store may hold that no trainer has acknowledged.
         self.max_unconsumed = max_unconsumed
         self.max_tokens, self.max_tokens_why = max_tokens, max_tokens_why
@@ -218,7 +232,10 @@ class Generation:
             self._fail(prepared, f"the server's answer to {prepared.rid!r} named sample {prepared.reported!r}, "
                                  f"its manifest lists {sample_name(entry)!r}")
             return
-        self.samples_file.append(samples_line(prepared.rid, prepared.line, prepared.loss_mask, sample_name(entry)))
+        line = samples_line(prepared.rid, prepared.line, prepared.loss_mask, sample_name(entry))
+        if prepared.rid in self.sample_extras:
+            line["regenerated"] = self.sample_extras[prepared.rid]
+        self.samples_file.append(line)
         self.done.add(prepared.rid)
         if nonfinite_rows(entry):
             self.tally.nonfinite.append(prepared.rid)
@@ -524,6 +541,20 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                         help="with --sink mooncake (or servers that put into a store): stop feeding while the store "
                              "holds this many samples no trainer has acknowledged (default 256)")
     parser.add_argument("--server-timeout", type=float, default=1800.0, help="seconds the started server has to get ready")
+    regenerate = parser.add_argument_group("--regenerate: the served model writes every assistant turn first "
+                                           "(scripts/dumps/regenerate.py)")
+    regenerate.add_argument("--regenerate", action="store_true",
+                            help="regenerate each conversation's assistant turns with the served model, in order, "
+                                 "into OUT/regenerated.jsonl, then dump those conversations")
+    regenerate.add_argument("--temperature", type=float, default=0.7, help="the answers' temperature (default 0.7)")
+    regenerate.add_argument("--top-p", type=float, default=1.0, help="the answers' top-p (default 1.0)")
+    regenerate.add_argument("--max-new-tokens", type=int, default=2048, help="the longest answer (default 2048)")
+    regenerate.add_argument("--seed", type=int, default=0,
+                            help="the run's seed (default 0), each turn's derived from it; SGLang honors it on a "
+                                 "server started with --enable-deterministic-inference")
+    regenerate.add_argument("--truncated", choices=TRUNCATED, default="keep",
+                            help="an answer that stops at --max-new-tokens: keep it, listed in the record's "
+                                 "truncated_turns (default), or reject the record")
     own, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = parser.parse_args(own)
     args.server_args = server_args
@@ -534,6 +565,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                      "not to --server")
     if args.concurrency < 1 or (args.limit is not None and args.limit < 0) or (args.max_length is not None and args.max_length < 1):
         parser.error("--concurrency and --max-length are positive, --limit is not negative")
+    if args.regenerate and not (args.temperature >= 0 and 0 < args.top_p <= 1 and args.max_new_tokens >= 1):
+        parser.error("--temperature is not negative, --top-p is in (0, 1], --max-new-tokens is positive")
     return args
 
 
@@ -573,9 +606,17 @@ def generate(args: argparse.Namespace) -> int:
         print(f"{dataset.path}: {dataset.num_records} records; loss mask: {encoder.method}; "
               f"longest prompt: {max_tokens} tokens", file=sys.stderr)
         started = time.monotonic()
+        regenerated, limit = None, args.limit
+        if args.regenerate:
+            sampling = Sampling(args.temperature, args.top_p, args.max_new_tokens, args.seed)
+            regenerated = Regeneration([e.client for e in endpoints], args.out, encoder, sampling, args.truncated,
+                                       args.concurrency, args.retries).run(dataset, args.limit)
+            print(regenerate_report(regenerated, time.monotonic() - started), file=sys.stderr)
+            dataset, limit = open_dataset(args.out / REGENERATED_NAME, args.split), None
         generation = Generation(endpoints, args.out, encoder, max_tokens, why, args.concurrency, args.retries,
-                                args.manifest_timeout, args.max_unconsumed if args.sink == "mooncake" else None)
-        tally = generation.run(dataset, args.limit)
+                                args.manifest_timeout, args.max_unconsumed if args.sink == "mooncake" else None,
+                                regenerated_metadata(args.out) if args.regenerate else None)
+        tally = generation.run(dataset, limit)
         if args.sink == "mooncake" and tally.complete:
             close_store_channels(args.out)
         seconds = time.monotonic() - started
@@ -584,7 +625,22 @@ def generate(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     print(report(tally, endpoints, args.out, seconds, server_exit))
-    return 0 if tally.complete else 1
+    if regenerated is not None and regenerated.failed:
+        print(f"not every conversation is regenerated ({regenerated.failed} failed): run the same command again "
+              f"to finish")
+    return 0 if tally.complete and (regenerated is None or not regenerated.failed) else 1
+
+
+def regenerate_report(tally: RegenerateTally, seconds: float) -> str:
+    rejected = sum(tally.rejected.values())
+    lines = [f"regenerated {tally.regenerated} conversations in {seconds:.1f} s: {tally.turns} assistant turns, "
+             f"{tally.generated_tokens:,} tokens written by the model, {tally.truncated_turns} turns truncated",
+             f"skipped as done: {tally.already_done}; rejected: {rejected}"
+             + (f" ({', '.join(f'{kind} {n}' for kind, n in sorted(tally.rejected.items()))}, in "
+                f"{REGENERATE_REJECTED_NAME})" if rejected else "")
+             + f"; failed: {tally.failed}",
+             *(f"  {failure}" for failure in tally.failures)]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -14,12 +14,13 @@ def human_bytes(count: float) -> str:
         count /= 1000
 
 
-def progress_bar(total: int, initial: int = 0):
+def progress_bar(total: int, initial: int = 0, desc: Optional[str] = None):
     """A bar over `total` samples on stderr (tqdm: count, rate, ETA); the caller adds its own
     figures with set_postfix_str."""
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="sample", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    return tqdm(total=total, initial=initial, unit="sample", dynamic_ncols=True, mininterval=0.5, file=sys.stderr,
+                desc=desc)
 
 
 @dataclass

@@ -110,6 +110,27 @@ def test_wants_dump(rid, output_ids, dumped):
     assert wants_dump(make_req(rid, output_ids=output_ids)) is dumped
 
 
+@pytest.mark.parametrize(
+    "custom_params, dumped",
+    [
+        (None, True),
+        ({}, True),
+        ({"hidden_states_dump": True}, True),
+        ({"hidden_states_dump": False}, False),
+        ({"private": True}, False),
+        ({"private": "yes"}, False),  # read loosely: toward privacy
+        ({"private": True, "hidden_states_dump": True}, False),  # private wins
+        ({"private": False}, True),
+        ({"hidden_states_dump": "false"}, True),  # only the boolean false declines
+    ],
+)
+def test_a_request_that_declines_the_dump_is_not_dumped(custom_params, dumped):
+    from sglang.srt.managers.schedule_batch import Req
+
+    req = Req("client-1", "", [1, 2, 3], SamplingParams(max_new_tokens=4, custom_params=custom_params))
+    assert wants_dump(req) is dumped
+
+
 def test_an_aborted_request_is_not_dumped():
     # An abort takes effect only after the prefill it arrived during.
     from sglang.srt.managers.schedule_batch import FINISH_ABORT

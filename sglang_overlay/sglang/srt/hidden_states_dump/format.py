@@ -46,6 +46,11 @@ TEMP_PREFIX = ".partial-"
 # per-request customized_info reaches meta_info as a list).
 LOSS_MASK_PARAM = "hidden_states_dump_loss_mask"
 META_INFO_KEY = "hidden_states_dump"
+# Keys of a request's custom_params that say whether it is dumped: DUMP_PARAM false, a request
+# the dumping server still serves without dumping it (an answer a client has the target write);
+# PRIVATE_PARAM true, a request that is never dumped, whatever else is set.
+DUMP_PARAM = "hidden_states_dump"
+PRIVATE_PARAM = "private"
 # What a layer id means, in every file's metadata and every manifest line.
 LAYER_CONVENTION = (
     "id i: the residual stream entering decoder layer i (0: the embedding output; "

@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 from sglang.srt.hidden_states_dump.config import dump_enabled
-from sglang.srt.hidden_states_dump.format import LOSS_MASK_PARAM, META_INFO_KEY
+from sglang.srt.hidden_states_dump.format import (
+    DUMP_PARAM,
+    LOSS_MASK_PARAM,
+    META_INFO_KEY,
+    PRIVATE_PARAM,
+)
 
 # Requests the server sends itself (startup warmup, /health_generate) are never dumped.
 INTERNAL_RID_PREFIXES = ("WARMUP_", "HEALTH_CHECK")
@@ -36,7 +41,18 @@ def wants_dump(req) -> bool:
         and not req.finished()
         and isinstance(req.rid, str)
         and not req.rid.startswith(INTERNAL_RID_PREFIXES)
+        and not declines_dump(req)
     )
+
+
+def declines_dump(req) -> bool:
+    """Whether the client asked that this request not be dumped: custom_params
+    PRIVATE_PARAM set to anything true (never dumped, whatever else is set: a value read
+    loosely errs toward privacy) or DUMP_PARAM false."""
+    custom_params = getattr(req.sampling_params, "custom_params", None)
+    if not isinstance(custom_params, dict):
+        return False
+    return bool(custom_params.get(PRIVATE_PARAM)) or custom_params.get(DUMP_PARAM) is False
 
 
 def may_match_cached_prefix(req) -> bool:

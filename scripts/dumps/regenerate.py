@@ -1,0 +1,209 @@
+"""The target writes the answers (`generate --regenerate`): every assistant turn of each
+conversation is written again by the served model, in order, each given the conversation as
+regenerated so far, before anything is dumped. A draft then learns the target's own
+distribution, not the one the dataset was written in.
+
+Each turn is one /generate request: the conversation up to that turn rendered with the chat
+template's generation prompt, sent as token ids, with the sampling options (temperature, top-p,
+max new tokens) and a seed, and custom_params {"hidden_states_dump": false}, so that a dumping
+server answers it without dumping it. The answer's token ids are decoded (special tokens left
+out) and become the turn's text; user, system and tool turns stay as written. SGLang honors a
+request's seed (`sampling_seed`) only on a server started with `--enable-deterministic-inference`;
+each turn's seed is derived from the run's seed, the record's id and the turn's index, so a
+rerun on such a server writes the same answers.
+
+A turn that stops at max new tokens is truncated: `--truncated keep` (the default) keeps it
+and lists the turn in the record's `truncated_turns`, `--truncated reject` rejects the record.
+
+Written into the dump folder, so that generate then dumps them and a rerun resumes:
+- regenerated.jsonl: one record per conversation, {"id", "messages", "regenerated": {the
+  sampling options, seed, source_line, truncated_turns}}, appended as conversations finish: a
+  dataset generate takes back as it is. Plain text records pass through unchanged.
+- regenerate_rejected.jsonl: the records not regenerated, {"line", "rid", "kind", "reason"},
+  lines of the source dataset.
+A rerun skips every record either file holds; a record whose requests failed (every server
+unreachable) is in neither and is regenerated again.
+"""
+
+import hashlib
+import time
+import urllib.error
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from scripts.dump_format import DUMP_PARAM
+from scripts.dumps.chat import ChatEncoder
+from scripts.dumps.conversations import Rejected, Sample, read_samples
+from scripts.dumps.progress import progress_bar
+from scripts.dumps.samples import AppendOnlyLines, read_lines
+
+REGENERATED_NAME = "regenerated.jsonl"
+REGENERATE_REJECTED_NAME = "regenerate_rejected.jsonl"
+TRUNCATED = ("keep", "reject")
+RETRYABLE = (urllib.error.URLError, ConnectionError, TimeoutError, OSError)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 1024
+    seed: int = 0
+
+    def record(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens,
+                "seed": self.seed}
+
+    def params(self, rid: str, turn: int) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens,
+                "sampling_seed": turn_seed(self.seed, rid, turn), "custom_params": {DUMP_PARAM: False}}
+
+
+def turn_seed(seed: int, rid: str, turn: int) -> int:
+    """A seed per turn, stable across runs and machines (not Python's salted hash)."""
+    digest = hashlib.sha256(f"{seed}\0{rid}\0{turn}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class RegenerateTally:
+    total: int = 0
+    regenerated: int = 0
+    already_done: int = 0
+    turns: int = 0
+    truncated_turns: int = 0
+    generated_tokens: int = 0
+    rejected: Dict[str, int] = field(default_factory=dict)
+    failed: int = 0
+    failures: List[str] = field(default_factory=list)
+
+
+class _Unreachable(Exception):
+    pass
+
+
+class Regeneration:
+    """One pass over a dataset, conversations spread over `clients` (each with up to
+    `concurrency` in flight), its results appended into `out`."""
+
+    def __init__(self, clients: list, out: Path, encoder: ChatEncoder, sampling: Sampling,
+                 truncated: str = "keep", concurrency: int = 8, retries: int = 3,
+                 sleep: Callable[[float], None] = time.sleep):
+        if truncated not in TRUNCATED:
+            raise ValueError(f"--truncated is one of {', '.join(TRUNCATED)}, not {truncated!r}")
+        self.clients, self.out, self.encoder = clients, out, encoder
+        self.sampling, self.truncated = sampling, truncated
+        self.concurrency, self.retries, self.sleep = concurrency, retries, sleep
+        self.path = out / REGENERATED_NAME
+        self.done = {entry["id"] for entry in read_lines(self.path)}
+        self.rejected_rids = {entry["rid"] for entry in read_lines(out / REGENERATE_REJECTED_NAME)}
+        self.rejected_lines = {entry["line"] for entry in read_lines(out / REGENERATE_REJECTED_NAME)}
+        self.tally = RegenerateTally()
+
+    def run(self, dataset, limit: Optional[int]) -> RegenerateTally:
+        self.tally.total = dataset.num_records if limit is None else min(limit, dataset.num_records)
+        written = AppendOnlyLines(self.path)
+        rejected = AppendOnlyLines(self.out / REGENERATE_REJECTED_NAME)
+        bar = progress_bar(self.tally.total, desc="regenerate")
+        try:
+            with ThreadPoolExecutor(max_workers=self.concurrency * len(self.clients)) as pool:
+                futures = {}
+                for n, (record, result) in enumerate(read_samples(dataset, limit)):
+                    if isinstance(result, Rejected):
+                        self._reject(rejected, record.line, None, result)
+                        bar.update(1)
+                        continue
+                    if result.rid in self.done or result.rid in self.rejected_rids:
+                        self.tally.already_done += 1
+                        bar.update(1)
+                        continue
+                    futures[pool.submit(self.conversation, result, n % len(self.clients))] = result
+                for future in as_completed(futures):
+                    sample = futures[future]
+                    try:
+                        written.append(future.result())
+                        self.tally.regenerated += 1
+                    except Rejected as rejection:
+                        self._reject(rejected, sample.line, sample.rid, rejection)
+                    except _Unreachable as e:
+                        self.tally.failed += 1
+                        if len(self.tally.failures) < 20:
+                            self.tally.failures.append(f"line {sample.line} ({sample.rid!r}): {e}")
+                    bar.update(1)
+        finally:
+            bar.close()
+            written.close()
+            rejected.close()
+        return self.tally
+
+    def _reject(self, rejected: AppendOnlyLines, line: int, rid: Optional[str], rejection: Rejected) -> None:
+        self.tally.rejected[rejection.kind] = self.tally.rejected.get(rejection.kind, 0) + 1
+        if line not in self.rejected_lines:
+            self.rejected_lines.add(line)
+            rejected.append({"line": line, "rid": rid, "kind": rejection.kind, "reason": rejection.reason})
+
+    def conversation(self, sample: Sample, first_client: int) -> dict:
+        """The record of `sample` with every assistant turn written by the served model."""
+        if sample.text is not None:
+            return {"id": sample.rid, "text": sample.text}
+        messages, truncated_turns, generated = [], [], 0
+        for turn, message in enumerate(sample.messages):
+            if message["role"] != "assistant":
+                messages.append(message)
+                continue
+            prompt = self.encoder.generation_prompt(messages)
+            answer = self._post(first_client, {"input_ids": prompt, "rid": f"{sample.rid}#turn{turn}",
+                                               "sampling_params": self.sampling.params(sample.rid, turn)})
+            output_ids = answer.get("output_ids")
+            if output_ids is None and not isinstance(answer.get("text"), str):
+                raise Rejected("server", f"turn {turn}: the server's answer holds neither output_ids nor text")
+            finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
+            if finish.get("type") == "length":
+                if self.truncated == "reject":
+                    raise Rejected("truncated", f"turn {turn} stopped at {self.sampling.max_new_tokens} new tokens "
+                                                f"(--truncated reject)")
+                truncated_turns.append(turn)
+            generated += (answer.get("meta_info") or {}).get("completion_tokens", len(output_ids or []))
+            text = self.encoder.decode(output_ids) if output_ids is not None else answer["text"]
+            messages.append({"role": "assistant", "content": text})
+        self.tally.turns += sum(1 for m in sample.messages if m["role"] == "assistant")
+        self.tally.truncated_turns += len(truncated_turns)
+        self.tally.generated_tokens += generated
+        return {"id": sample.rid, "messages": messages,
+                "regenerated": {**self.sampling.record(), "source_line": sample.line,
+                                "truncated_turns": truncated_turns}}
+
+    def _post(self, first_client: int, body: dict) -> dict:
+        """The answer of the first server, in turn from `first_client`, that gives one; a
+        server's refusal (HTTP 4xx) rejects the record."""
+        errors = []
+        for k in range(len(self.clients)):
+            client = self.clients[(first_client + k) % len(self.clients)]
+            delay = 1.0
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    self.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+                try:
+                    answer = client.post("/generate", body)
+                except urllib.error.HTTPError as e:
+                    if 400 <= e.code < 500:
+                        raise Rejected("server", f"the server refused a turn (HTTP {e.code}): "
+                                                 f"{e.read().decode('utf-8', 'replace')[:500]}")
+                    error = f"HTTP {e.code}"
+                except RETRYABLE as e:
+                    error = str(e) or type(e).__name__
+                else:
+                    finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
+                    if finish.get("type") != "abort":
+                        return answer
+                    error = f"the server aborted it: {finish.get('message')}"
+            errors.append(f"{client.url}: {error}")
+        raise _Unreachable(f"no server answered after {self.retries + 1} attempts each: {'; '.join(errors)}")
+
+
+def regenerated_metadata(out: Path) -> Dict[str, dict]:
+    """rid -> its record's `regenerated` entry, for the samples lines."""
+    return {entry["id"]: entry["regenerated"] for entry in read_lines(out / REGENERATED_NAME) if "regenerated" in entry}

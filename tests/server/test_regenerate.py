@@ -1,0 +1,147 @@
+"""generate --regenerate on a real CPU server dumping: every assistant turn is written by the
+served model, in order, each given the turns regenerated before it (checked by asking the server
+again, turn by turn, outside the command); the regeneration's own requests are not dumped (the
+manifest holds one file per record), while the negative control, a request that does not
+decline, is; a private request is never dumped; the dump holds the regenerated conversations
+with their loss masks over the model's answers; the samples lines say how they were made; a
+rerun does nothing again; --truncated reject rejects what keep marks."""
+
+import json
+import random
+import time
+
+import pytest
+
+from scripts.dump_format import load_dump, read_manifest
+from scripts.dumps.chat import ChatEncoder, load_tokenizer
+from scripts.dumps.generate import Client
+from scripts.dumps.regenerate import REGENERATE_REJECTED_NAME, REGENERATED_NAME
+from scripts.dumps.samples import SAMPLES_NAME, mask_from_runs, read_lines
+from scripts.dumps.server import Server, runtime_env
+from tests.server.test_generate import DUMP_LAYERS, conversation, expected_mask, run_generate
+
+MAX_NEW_TOKENS = 12
+CONVERSATIONS = 6
+
+
+@pytest.fixture(scope="module")
+def served(model_l3, tmp_path_factory):
+    """One dumping server, the dataset, and a first --regenerate run over it."""
+    tmp = tmp_path_factory.mktemp("regenerate")
+    rng = random.Random(5)
+    records = [dict(conversation(rng, n), id=f"conv-{n}") for n in range(CONVERSATIONS)]
+    records.append({"id": "text-0", "text": "A plain text record passes through as it is."})
+    dataset = tmp / "chats.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in records)
+                       + json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
+    out = tmp / "dump"
+    env = runtime_env(SGLANG_HS_DUMP_DIR=str(out), SGLANG_HS_DUMP_LAYERS=DUMP_LAYERS)
+    # Every prompt prefilled whole and alone: the check below asks again for each answer, and on
+    # the CPU a prefill over a cached prefix, or in another batch, may round differently.
+    with Server(model_l3, tmp / "server.log", env, ["--disable-radix-cache", "--max-running-requests", "1"]) as server:
+        server.wait_ready()
+        options = ["--dataset", dataset, "--out", out, "--server", server.url, "--model", model_l3,
+                   "--regenerate", "--temperature", 0, "--max-new-tokens", MAX_NEW_TOKENS, "--seed", 7,
+                   "--concurrency", 1]
+        first = run_generate(*options)
+        assert first.returncode == 0, first.stdout + first.stderr
+        yield {"server": server, "out": out, "records": records, "options": options, "first": first,
+               "model": model_l3, "tmp": tmp}
+
+
+def wait_for(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.05)
+
+
+def post(server, input_ids, **custom_params):
+    return Client(server.url).post("/generate", {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "custom_params": custom_params}})
+
+
+def assistant_texts(record: dict) -> list:
+    turns = record.get("messages") or [{"role": t["from"], "content": t["value"]} for t in record["conversations"]]
+    return [t["content"] for t in turns if t["role"] in ("assistant", "gpt")]
+
+
+def test_each_turn_is_the_served_models_answer_given_the_turns_before(served):
+    regenerated = {r["id"]: r for r in read_lines(served["out"] / REGENERATED_NAME)}
+    assert sorted(regenerated) == sorted(r["id"] for r in served["records"])
+    encoder = ChatEncoder(load_tokenizer(served["model"]))
+    changed = 0
+    for original in served["records"]:
+        record = regenerated[original["id"]]
+        if "text" in original:
+            assert record == original
+            continue
+        context = []
+        for turn, message in enumerate(record["messages"]):
+            if message["role"] == "assistant":
+                answer = post(served["server"], encoder.generation_prompt(context), hidden_states_dump=False)
+                assert message["content"] == encoder.decode(answer["output_ids"]), (record["id"], turn)
+            context.append(message)
+        changed += assistant_texts(original) != [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        assert record["regenerated"]["temperature"] == 0 and record["regenerated"]["seed"] == 7
+        assert record["regenerated"]["max_new_tokens"] == MAX_NEW_TOKENS
+    assert changed == CONVERSATIONS  # a tiny random model writes none of the dataset's answers
+    rejected = read_lines(served["out"] / REGENERATE_REJECTED_NAME)
+    assert [(r["line"], r["kind"]) for r in rejected] == [(len(served["records"]) + 1, "no_assistant")]
+
+
+def test_only_the_regenerated_conversations_are_dumped_with_masks_over_the_answers(served):
+    out = served["out"]
+    manifest = read_manifest(str(out))
+    samples = {s["rid"]: s for s in read_lines(out / SAMPLES_NAME)}
+    assert len(manifest) == len(samples) == len(served["records"])  # no regeneration request dumped
+    tokenizer = load_tokenizer(served["model"])
+    regenerated = {r["id"]: r for r in read_lines(out / REGENERATED_NAME)}
+    for entry in manifest:
+        record = regenerated[entry["rid"]]
+        input_ids = load_dump(str(out / entry["file"])).token_ids.tolist()
+        mask = mask_from_runs(samples[entry["rid"]]["loss_mask"])
+        if "text" in record:
+            assert mask == [1] * len(input_ids) and "regenerated" not in samples[entry["rid"]]
+            continue
+        assert mask == expected_mask(tokenizer, record, input_ids)
+        assert samples[entry["rid"]]["regenerated"] == record["regenerated"]
+
+
+def test_a_request_that_does_not_decline_is_dumped_and_a_private_one_never(served):
+    """The negative control of the test above, on the same server."""
+    out = served["out"]
+    before = len(read_manifest(str(out)))
+    post(served["server"], [5, 6, 7, 8], private=True, hidden_states_dump=True)
+    post(served["server"], [5, 6, 7, 9], hidden_states_dump=False)
+    post(served["server"], [5, 6, 7, 10])
+    wait_for(lambda: len(read_manifest(str(out))) > before, "the control request's manifest line")
+    entries = read_manifest(str(out))
+    assert len(entries) == before + 1
+    assert load_dump(str(out / entries[-1]["file"])).token_ids.tolist() == [5, 6, 7, 10]
+
+
+def test_a_rerun_regenerates_and_dumps_nothing_again(served):
+    out = served["out"]
+    lines_before = (out / REGENERATED_NAME).read_text()
+    result = run_generate(*served["options"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "regenerated 0 conversations" in result.stderr
+    assert f"skipped as done: {len(served['records'])}; rejected: 1" in result.stderr
+    assert (out / REGENERATED_NAME).read_text() == lines_before
+    assert "dumped 0 samples" in result.stdout
+
+
+def test_truncated_answers_are_rejected_when_asked(served):
+    kept = {r["id"]: r for r in read_lines(served["out"] / REGENERATED_NAME) if "messages" in r}
+    truncated = {rid for rid, r in kept.items() if r["regenerated"]["truncated_turns"]}
+    assert truncated  # a random model rarely ends an answer in 12 tokens
+    out = served["tmp"] / "dump-reject"  # a server of the command's own dumps there
+    options = [out if value == served["out"] else value for value in served["options"]]
+    del options[options.index("--server"):options.index("--server") + 2]
+    result = run_generate(*options, "--truncated", "reject", "--dump-layers", DUMP_LAYERS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rejected = {r["rid"] for r in read_lines(out / REGENERATE_REJECTED_NAME) if r["kind"] == "truncated"}
+    assert rejected == truncated
+    assert {r["id"] for r in read_lines(out / REGENERATED_NAME)} == {r["id"] for r in served["records"]} - truncated
