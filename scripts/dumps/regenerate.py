@@ -31,7 +31,7 @@ import urllib.error
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from scripts.dump_format import DUMP_PARAM
 from scripts.dumps.chat import ChatEncoder
@@ -98,8 +98,9 @@ class Regeneration:
         self.concurrency, self.retries, self.sleep = concurrency, retries, sleep
         self.path = out / REGENERATED_NAME
         self.done = {entry["id"] for entry in read_lines(self.path)}
-        self.rejected_rids = {entry["rid"] for entry in read_lines(out / REGENERATE_REJECTED_NAME)}
-        self.rejected_lines = {entry["line"] for entry in read_lines(out / REGENERATE_REJECTED_NAME)}
+        rejected_before = read_lines(out / REGENERATE_REJECTED_NAME)
+        self.rejected_rids = {entry["rid"] for entry in rejected_before}
+        self.rejected_lines = {entry["line"] for entry in rejected_before}
         self.tally = RegenerateTally()
 
     def run(self, dataset, limit: Optional[int]) -> RegenerateTally:
@@ -123,8 +124,9 @@ class Regeneration:
                 for future in as_completed(futures):
                     sample = futures[future]
                     try:
-                        written.append(future.result())
-                        self.tally.regenerated += 1
+                        record, generated = future.result()
+                        written.append(record)
+                        self._count(record, generated)
                     except Rejected as rejection:
                         self._reject(rejected, sample.line, sample.rid, rejection)
                     except _Unreachable as e:
@@ -144,10 +146,19 @@ class Regeneration:
             self.rejected_lines.add(line)
             rejected.append({"line": line, "rid": rid, "kind": rejection.kind, "reason": rejection.reason})
 
-    def conversation(self, sample: Sample, first_client: int) -> dict:
-        """The record of `sample` with every assistant turn written by the served model."""
+    def _count(self, record: dict, generated: int) -> None:
+        """On the run's thread: the pool's threads only return their records."""
+        self.tally.regenerated += 1
+        self.tally.generated_tokens += generated
+        if "messages" in record:
+            self.tally.turns += sum(1 for m in record["messages"] if m["role"] == "assistant")
+            self.tally.truncated_turns += len(record["regenerated"]["truncated_turns"])
+
+    def conversation(self, sample: Sample, first_client: int) -> Tuple[dict, int]:
+        """The record of `sample` with every assistant turn written by the served model, and
+        how many tokens the model wrote."""
         if sample.text is not None:
-            return {"id": sample.rid, "text": sample.text}
+            return {"id": sample.rid, "text": sample.text}, 0
         messages, truncated_turns, generated = [], [], 0
         for turn, message in enumerate(sample.messages):
             if message["role"] != "assistant":
@@ -168,12 +179,9 @@ class Regeneration:
             generated += (answer.get("meta_info") or {}).get("completion_tokens", len(output_ids or []))
             text = self.encoder.decode(output_ids) if output_ids is not None else answer["text"]
             messages.append({"role": "assistant", "content": text})
-        self.tally.turns += sum(1 for m in sample.messages if m["role"] == "assistant")
-        self.tally.truncated_turns += len(truncated_turns)
-        self.tally.generated_tokens += generated
         return {"id": sample.rid, "messages": messages,
                 "regenerated": {**self.sampling.record(), "source_line": sample.line,
-                                "truncated_turns": truncated_turns}}
+                                "truncated_turns": truncated_turns}}, generated
 
     def _post(self, first_client: int, body: dict) -> dict:
         """The answer of the first server, in turn from `first_client`, that gives one; a
