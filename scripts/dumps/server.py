@@ -51,10 +51,36 @@ def runtime_env(tree: Optional[Path] = None, **extra: str) -> Dict[str, str]:
     return env
 
 
+# SGLang 0.5.23 picks each server's torch.distributed port at random in 22000..29999 and binds
+# it only later; a port the kernel hands out to connections lies at or above the ephemeral
+# range's start. A server's HTTP port stays out of both, so that neither can take it from a
+# server still loading its model.
+SGLANG_NCCL_PORTS = range(22000, 30000)
+SERVER_PORTS_FROM = 20000
+
+
+def ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def server_port_candidates() -> List[int]:
+    """The ports a server may listen on: from 20000 up to the ephemeral range, less SGLang's
+    own torch.distributed range."""
+    end = ephemeral_ports_start()
+    return [port for port in range(SERVER_PORTS_FROM, end) if port not in SGLANG_NCCL_PORTS]
+
+
 def free_port() -> int:
-    """A free port in 20000..44999: SGLang derives other ports from it by adding up to 10000."""
+    """A free port for a server to listen on, from server_port_candidates()."""
+    candidates = server_port_candidates()
+    if not candidates:
+        raise RuntimeError(f"no server ports below the ephemeral range (it starts at {ephemeral_ports_start()}); "
+                           f"raise net.ipv4.ip_local_port_range's start above 30000")
     while True:
-        port = random.randrange(20000, 45000)
+        port = random.choice(candidates)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

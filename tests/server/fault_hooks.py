@@ -5,7 +5,9 @@
 taken from its queue (all but the first `after` jobs) (it first creates
 `<gate>.holding`, so a test knows the writer holds a job), and a submit that finds the
 queue full first writes the request's id to `<gate>.full`, so a test knows the scheduler is
-about to wait for room (under `block`) or drop it (under `drop`).
+about to wait for room (under `block`) or drop it (under `drop`). With `hold_answers`, the
+forward waits too once the writer holds its job, so the server answers nothing more while
+its disk stalls.
 
 `poison_rows`: a NaN in one dumped row of the requests whose rid starts with a prefix, put
 into the dump's rows before it looks for non-finite ones (the forward stays finite).
@@ -44,15 +46,23 @@ def stall_writer(config):
 
     DumpWriter.file_contents = stalled_file_contents
     DumpWriter.submit = submit_noting_a_full_queue
-    return lambda module, inputs, output: None
+    if not config.get("hold_answers"):
+        return lambda module, inputs, output: None
+    holding = gate.with_name(gate.name + ".holding")
+
+    def hold_the_forward(module, inputs, output):
+        while holding.exists() and gate.exists():
+            time.sleep(0.01)
+
+    return hold_the_forward
 
 
-def stall_writer_spec(gate: Path, after: int = 0) -> str:
+def stall_writer_spec(gate: Path, after: int = 0, hold_answers: bool = False) -> str:
     import json
 
     return json.dumps([{"name": "stall_writer", "target_modules": ["model.norm"],
                         "hook_factory": "tests.server.fault_hooks:stall_writer",
-                        "config": {"gate": str(gate), "after": after}}])
+                        "config": {"gate": str(gate), "after": after, "hold_answers": hold_answers}}])
 
 
 def report_pid(config):

@@ -46,14 +46,16 @@ def test_a_killed_server_hands_its_samples_to_the_other(model_l3, tmp_path):
     options = ["--dataset", path, "--out", out, "--max-length", MAX_LENGTH, "--model", model_l3,
                "--concurrency", 1, "--retries", 1]
 
-    # Server "a" writes two files, then its disk stalls: the samples it answers after that
-    # wait for manifest lines that never come, so the run cannot end before "a" is killed
-    # (without this a fast run could finish first), and they must go to "b".
+    # Server "a" writes two files, then its disk stalls and it answers nothing more: the
+    # sample its writer holds waits for a manifest line that never comes, so the run cannot
+    # end before "a" is killed, and the samples "a" holds or would have taken go to "b".
+    # (Stalling only the writer is not enough: "a"'s queue would take every sample while a
+    # slow "b" answers its first, and the run would end on the manifest timeout instead.)
     gate = tmp_path / "stall-a"
     gate.touch()
     with ExitStack() as stack:
         server_a = stack.enter_context(dumping_server(model_l3, out, "a", "server-a.log",
-                                                      ["--forward-hooks", stall_writer_spec(gate, after=2)]))
+                                                      ["--forward-hooks", stall_writer_spec(gate, after=2, hold_answers=True)]))
         server_b = stack.enter_context(dumping_server(model_l3, out, "b", "server-b.log"))
         server_a.wait_ready()
         server_b.wait_ready()
