@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Deque, Dict, List, Optional, Tuple
 
-from scripts.dump_format import LOSS_MASK_PARAM, META_INFO_KEY, REF_CHANNEL, ManifestFollower, nonfinite_rows, sample_name
+from scripts.dump_format import DUMP_PARAM, LOSS_MASK_PARAM, META_INFO_KEY, REF_CHANNEL, ManifestFollower, nonfinite_rows, sample_name
 from scripts.dumps.chat import LOSS_MASKS, ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import Rejected, Sample, open_dataset, read_samples
 from scripts.dumps.progress import human_bytes, progress_bar
@@ -297,10 +297,12 @@ class Generation:
     def _send(self, prepared: Prepared, endpoint: Endpoint) -> Optional[Rejected]:
         """None once the server answered (or any server dumped it); the Rejected the
         server's refusal makes; raises _Unanswered when every attempt failed."""
-        # The loss mask rides along for a store's layout, which holds it with the rows.
+        # The loss mask rides along for a store's layout, which holds it with the rows; the
+        # request asks for its dump, so a server that samples its traffic dumps it too.
         body = {"input_ids": prepared.input_ids, "rid": prepared.rid,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0,
-                                    "custom_params": {LOSS_MASK_PARAM: mask_runs(prepared.loss_mask)}}}
+                                    "custom_params": {LOSS_MASK_PARAM: mask_runs(prepared.loss_mask),
+                                                      DUMP_PARAM: True}}}
         delay, error = 1.0, None
         for attempt in range(self.retries + 1):
             if prepared.rid in self.dumped:  # dumped, its answer lost with a broken connection

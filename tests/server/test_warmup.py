@@ -170,6 +170,7 @@ def test_naive_patch_fails_on_a_deeper_model_with_upstreams_packer(model_l5_no_q
         ("SGLANG_HS_DUMP_LAYERS", "1,4", r"\[4\] out of range; the model has L=3 layers, so valid ids are 0..3"),
         ("SGLANG_HS_DUMP_DIR", "{tmp}/a-file/dump", "is not a writable directory"),
         ("SGLANG_HS_DUMP_DTYPE", "int4", r"SGLANG_HS_DUMP_DTYPE='int4': use one of bf16, fp8"),
+        ("SGLANG_HS_DUMP_SAMPLE", "1.5", r"SGLANG_HS_DUMP_SAMPLE=1.5: give the fraction of requests dumped, from 0"),
     ],
 )
 @ON_THE_DEFAULT_RELEASE

@@ -340,3 +340,67 @@ def test_negative_host_memory_is_refused(dump_dir, monkeypatch):
     monkeypatch.setenv("SGLANG_HS_DUMP_HOST_MEMORY_MB", "-1")
     with pytest.raises(ValueError, match="SGLANG_HS_DUMP_HOST_MEMORY_MB must not be negative"):
         DumpConfig.from_env()
+
+
+def test_a_sampled_fraction_lies_within_its_binomial_bounds():
+    from sglang.srt.hidden_states_dump.config import RequestSample
+
+    rids = [f"chatcmpl-{i:06d}" for i in range(20000)]
+    for fraction in (0.01, 0.25):
+        taken = {rid for rid in rids if RequestSample(fraction, seed=3).takes(rid)}
+        mean, spread = len(rids) * fraction, 5 * (len(rids) * fraction * (1 - fraction)) ** 0.5
+        assert mean - spread <= len(taken) <= mean + spread
+        # The same seed takes the same requests, in any order, anywhere; another takes others.
+        assert {rid for rid in reversed(rids) if RequestSample(fraction, seed=3).takes(rid)} == taken
+        other = {rid for rid in rids if RequestSample(fraction, seed=4).takes(rid)}
+        assert len(taken & other) <= mean * fraction + spread
+    assert all(RequestSample(1.0, seed=3).takes(rid) for rid in rids[:100])
+    assert not any(RequestSample(0.0, seed=3).takes(rid) for rid in rids[:100])
+
+
+@pytest.mark.parametrize(
+    "fraction, custom_params, dumped",
+    [
+        (0.0, None, False),  # only those that ask
+        (0.0, {"hidden_states_dump": True}, True),
+        (0.0, {"hidden_states_dump": True, "private": True}, False),
+        (1.0, {"private": True}, False),
+        (1.0, None, True),
+    ],
+)
+def test_requests_that_ask_are_dumped_whatever_the_sample_and_private_ones_never(
+    dumping_on, monkeypatch, fraction, custom_params, dumped
+):
+    from sglang.srt.hidden_states_dump import config
+    from sglang.srt.managers.schedule_batch import Req
+
+    config.request_sample.cache_clear()
+    monkeypatch.setenv("SGLANG_HS_DUMP_SAMPLE", str(fraction))
+    try:
+        req = Req("client-1", "", [1, 2, 3], SamplingParams(max_new_tokens=4, custom_params=custom_params))
+        assert wants_dump(req) is dumped
+        (request,) = requests_to_dump([req])
+        assert (request is not None) is dumped
+        assert request is None or request.asked is (custom_params is not None)
+    finally:
+        config.request_sample.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        ("SGLANG_HS_DUMP_SAMPLE", "-0.1", "SGLANG_HS_DUMP_SAMPLE=-0.1: give the fraction"),
+        ("SGLANG_HS_DUMP_SAMPLE", "nan", "SGLANG_HS_DUMP_SAMPLE=nan: give the fraction"),
+        ("SGLANG_HS_DUMP_SAMPLE_SEED", "-1", r"SGLANG_HS_DUMP_SAMPLE_SEED=-1: give an integer from 0 to 2\*\*64 - 1"),
+    ],
+)
+def test_a_bad_sample_setting_is_refused_by_name(monkeypatch, variable, value, message):
+    from sglang.srt.hidden_states_dump import config
+
+    config.request_sample.cache_clear()
+    monkeypatch.setenv(variable, value)
+    try:
+        with pytest.raises(ValueError, match=message):
+            config.request_sample()
+    finally:
+        config.request_sample.cache_clear()

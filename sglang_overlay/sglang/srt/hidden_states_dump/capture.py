@@ -49,7 +49,7 @@ from sglang.version import __version__
 logger = logging.getLogger(__name__)
 
 # The dump's own revision within the series, bumped when what it writes or refuses changes.
-SERIES_REVISION = 7
+SERIES_REVISION = 8
 SERIES_VERSION = f"{__version__}-{SERIES_REVISION}"
 
 
@@ -159,6 +159,7 @@ class HiddenStatesDumper:
         logger.info(
             f"hidden states dump on: dir={config.dump_dir} manifest={manifest} {sink_description(config)} "
             f"layers={self.layer_ids} (of L={metadata['num_layers']}) "
+            f"requests={config.sample.description()} "
             f"encoding={metadata['encoding']} writer_threads={config.writer_threads} "
             f"writer_process={'on' if shared else 'off'} "
             f"host_memory_mb={self.host_buffers.reserve.numel() >> 20} "
@@ -192,6 +193,7 @@ class HiddenStatesDumper:
                 eagle3_model_class(), layer_ids, num_layers
             ),
             vocab_size=getattr(model_config, "vocab_size", None),
+            request_sample=config.sample.recorded(),
         )
         is_writer = attn_tp_rank == 0 and last_pp_stage
         # Unless set, room for the rows of the largest prefill the server runs, once for

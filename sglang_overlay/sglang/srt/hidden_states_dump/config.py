@@ -5,6 +5,8 @@ its one default lives; DumpConfig.from_env reads each once, checks it, and is th
 reader. The layer ids depend on the model, so they are resolved by `layer_ids`.
 """
 
+import hashlib
+import math
 import os
 import re
 import uuid
@@ -48,6 +50,54 @@ def dump_enabled() -> bool:
 
 
 @dataclass(frozen=True)
+class RequestSample:
+    """Which client requests the dump takes when they neither ask for a dump nor decline
+    one (hidden_states_dump_requests): a fraction of them (SGLANG_HS_DUMP_SAMPLE; 1: all,
+    0: only those that ask), chosen by a keyed hash of each request's id under
+    SGLANG_HS_DUMP_SAMPLE_SEED. The choice depends on nothing else, so every rank, every
+    chunk of a prefill and every rerun of the same request id chooses alike."""
+
+    fraction: float = 1.0
+    seed: int = 0
+
+    def takes(self, rid: str) -> bool:
+        if self.fraction >= 1:
+            return True
+        if self.fraction <= 0:
+            return False
+        digest = hashlib.blake2b(
+            rid.encode("utf-8", "surrogatepass"), digest_size=8, key=self.seed.to_bytes(8, "little")
+        ).digest()
+        return int.from_bytes(digest, "little") < self.fraction * 2**64
+
+    def description(self) -> str:
+        if self.fraction >= 1:
+            return "all"
+        if self.fraction <= 0:
+            return "asked"
+        return f"asked+sample(fraction={self.fraction:g},seed={self.seed})"
+
+    def recorded(self) -> Optional[dict]:
+        """What the dump's metadata and manifest lines record (None: every request is taken)."""
+        return None if self.fraction >= 1 else {"fraction": self.fraction, "seed": self.seed}
+
+
+@lru_cache(maxsize=1)
+def request_sample() -> RequestSample:
+    """The server's RequestSample, read once and checked (ValueError names the variable)."""
+    fraction = envs.SGLANG_HS_DUMP_SAMPLE.get()
+    if not (math.isfinite(fraction) and 0 <= fraction <= 1):
+        raise ValueError(
+            f"SGLANG_HS_DUMP_SAMPLE={fraction!r}: give the fraction of requests dumped, from 0 "
+            f"(only those whose custom_params ask for it) to 1 (all, the default)."
+        )
+    seed = envs.SGLANG_HS_DUMP_SAMPLE_SEED.get()
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"SGLANG_HS_DUMP_SAMPLE_SEED={seed}: give an integer from 0 to 2**64 - 1.")
+    return RequestSample(float(fraction), seed)
+
+
+@dataclass(frozen=True)
 class DumpConfig:
     dump_dir: str
     layers: Optional[str]  # SGLANG_HS_DUMP_LAYERS as given; see layer_ids
@@ -63,6 +113,7 @@ class DumpConfig:
     store_layout: str = "specforge"  # with the mooncake sink: whose layout the objects have
     store_id: str = "sglang-hs"  # with the mooncake sink: the namespace of its keys
     mooncake: Optional["MooncakeSettings"] = None  # with the mooncake sink
+    sample: RequestSample = RequestSample()  # which requests that do not ask are dumped
 
     @classmethod
     def from_env(cls) -> Optional["DumpConfig"]:
@@ -122,6 +173,7 @@ class DumpConfig:
             store_layout=store_layout,
             store_id=store_id,
             mooncake=mooncake,
+            sample=request_sample(),
         )
 
     def layer_ids(self, num_layers: int) -> List[int]:

@@ -46,11 +46,14 @@ TEMP_PREFIX = ".partial-"
 # per-request customized_info reaches meta_info as a list).
 LOSS_MASK_PARAM = "hidden_states_dump_loss_mask"
 META_INFO_KEY = "hidden_states_dump"
-# Keys of a request's custom_params that say whether it is dumped: DUMP_PARAM false, a request
-# the dumping server still serves without dumping it (an answer a client has the target write);
+# Keys of a request's custom_params that say whether it is dumped: DUMP_PARAM true, a request
+# dumped whatever share of requests the server samples; DUMP_PARAM false, a request the
+# dumping server still serves without dumping it (an answer a client has the target write);
 # PRIVATE_PARAM true, a request that is never dumped, whatever else is set.
 DUMP_PARAM = "hidden_states_dump"
 PRIVATE_PARAM = "private"
+# The metadata key and manifest field of a server's request sample ({"fraction", "seed"}).
+REQUEST_SAMPLE_FIELD = "request_sample"
 # What a layer id means, in every file's metadata and every manifest line.
 LAYER_CONVENTION = (
     "id i: the residual stream entering decoder layer i (0: the embedding output; "
@@ -94,12 +97,14 @@ def file_metadata(
     model_dtype: torch.dtype = torch.bfloat16,
     eagle3_draft_layer_ids: Optional[List[Optional[List[int]]]] = None,
     vocab_size: Optional[int] = None,
+    request_sample: Optional[dict] = None,
 ) -> Dict[str, str]:
     """The metadata every file of a dump carries (the writer adds each file's rid).
     `eagle3_draft_layer_ids`: each EAGLE-3 draft config (its
     eagle_aux_hidden_state_layer_ids, or None: it names none) that this SGLang release
     feeds exactly the dumped layers below L, in ascending order; empty when none does.
-    fp8 files also name the model dtype that load_dump dequantizes to."""
+    fp8 files also name the model dtype that load_dump dequantizes to. `request_sample`:
+    the fraction of requests a server samples and its seed, when it does not dump all."""
     metadata = {
         "format": FORMAT_VERSION,
         "layer_ids": json.dumps(layer_ids),
@@ -114,6 +119,8 @@ def file_metadata(
     }
     if fp8:
         metadata["model_dtype"] = dtype_name(model_dtype)
+    if request_sample is not None:
+        metadata[REQUEST_SAMPLE_FIELD] = json.dumps(request_sample)
     return metadata
 
 
@@ -200,10 +207,12 @@ def manifest_entry(
     metadata: Dict[str, str],
     hidden_states: torch.Tensor,
     nonfinite_rows: int = 0,
+    asked: bool = False,
 ) -> dict:
     """The manifest line of one file (read back by read_manifest); the writer adds the
-    checksum of the file's bytes as it writes them."""
-    return {
+    checksum of the file's bytes as it writes them. A server that samples its requests
+    records its fraction and seed in every line, and whether the request asked."""
+    entry = {
         "rid": rid,
         "file": file,
         "num_tokens": num_tokens,
@@ -214,6 +223,9 @@ def manifest_entry(
         "eagle3_draft_layer_ids": json.loads(metadata.get("eagle3_draft_layer_ids", "[]")),
         NONFINITE_FIELD: nonfinite_rows,
     }
+    if REQUEST_SAMPLE_FIELD in metadata:
+        entry.update({REQUEST_SAMPLE_FIELD: json.loads(metadata[REQUEST_SAMPLE_FIELD]), "asked": asked})
+    return entry
 
 
 def nonfinite_rows(entry: dict) -> int:

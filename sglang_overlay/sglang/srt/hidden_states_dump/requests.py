@@ -1,12 +1,15 @@
 """Which requests of a batch are dumped: what the scheduler's hooks ask, on the hot path.
 
-With dumping off every helper here returns after one cached bool check.
+A client request is dumped when its custom_params ask for it (DUMP_PARAM true), never when
+they decline (DUMP_PARAM false, or PRIVATE_PARAM true, whatever else is set), and otherwise
+when the server's sample takes it (config.RequestSample: all requests by default). With
+dumping off every helper here returns after one cached bool check.
 """
 
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
-from sglang.srt.hidden_states_dump.config import dump_enabled
+from sglang.srt.hidden_states_dump.config import dump_enabled, request_sample
 from sglang.srt.hidden_states_dump.format import (
     DUMP_PARAM,
     LOSS_MASK_PARAM,
@@ -27,6 +30,7 @@ class DumpRequest:
     loss_mask_runs: Optional[Tuple[int, ...]] = None  # None: every prompt token
     # The scheduler's Req, whose response reports where the sample is (None: nowhere)
     req: Any = field(default=None, compare=False, repr=False)
+    asked: bool = False  # its custom_params asked for the dump (else the server's sample took it)
 
 
 def wants_dump(req) -> bool:
@@ -41,18 +45,26 @@ def wants_dump(req) -> bool:
         and not req.finished()
         and isinstance(req.rid, str)
         and not req.rid.startswith(INTERNAL_RID_PREFIXES)
-        and not declines_dump(req)
+        and is_selected(req)
     )
 
 
-def declines_dump(req) -> bool:
-    """Whether the client asked that this request not be dumped: custom_params
-    PRIVATE_PARAM set to anything true (never dumped, whatever else is set: a value read
-    loosely errs toward privacy) or DUMP_PARAM false."""
+def is_selected(req) -> bool:
+    """Whether the dump takes this client request: never when custom_params PRIVATE_PARAM
+    is set to anything true (a value read loosely errs toward privacy) or DUMP_PARAM is
+    false; always when DUMP_PARAM is true; otherwise when the server's sample takes it."""
     custom_params = getattr(req.sampling_params, "custom_params", None)
-    if not isinstance(custom_params, dict):
-        return False
-    return bool(custom_params.get(PRIVATE_PARAM)) or custom_params.get(DUMP_PARAM) is False
+    if isinstance(custom_params, dict):
+        if custom_params.get(PRIVATE_PARAM) or custom_params.get(DUMP_PARAM) is False:
+            return False
+        if custom_params.get(DUMP_PARAM) is True:
+            return True
+    return request_sample().takes(req.rid)
+
+
+def asks_for_dump(req) -> bool:
+    custom_params = getattr(req.sampling_params, "custom_params", None)
+    return isinstance(custom_params, dict) and custom_params.get(DUMP_PARAM) is True
 
 
 def may_match_cached_prefix(req) -> bool:
@@ -68,7 +80,9 @@ def requests_to_dump(reqs) -> Optional[List[Optional[DumpRequest]]]:
     if not dump_enabled():
         return None
     return [
-        DumpRequest(req.rid, len(req.origin_input_ids), loss_mask_runs(req), req) if wants_dump(req) else None
+        DumpRequest(req.rid, len(req.origin_input_ids), loss_mask_runs(req), req, asks_for_dump(req))
+        if wants_dump(req)
+        else None
         for req in reqs
     ]
 

@@ -212,7 +212,8 @@ class DumpWriter:
             )
             self.stats.add(nonfinite=1)
         entry = manifest_entry(
-            job.request.rid, name, num_tokens, self.metadata, parts["hidden_states"][0], nonfinite_rows
+            job.request.rid, name, num_tokens, self.metadata, parts["hidden_states"][0], nonfinite_rows,
+            job.request.asked,
         )
         tensors = [part for tensors in parts.values() for part in tensors]
         return FileContents(name, header, parts, tensors, json.dumps(entry), num_tokens, copied - started)
