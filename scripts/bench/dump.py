@@ -1,6 +1,6 @@
 """Benchmarks of the hidden-states dump against its alternatives, each comparison in one run.
 
-    python -m scripts.bench.dump --suite prefill|hidden|write|scaling|fp8|profile|trace [--preset cpu|gpu|gpu-rank] --out FILE.json
+    python -m scripts.bench.dump --suite prefill|hidden|write|scaling|fp8|profile|trace|sample [--preset cpu|gpu|gpu-rank] --out FILE.json
 
 Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - prefill: prompt tokens/s of unpatched upstream, patched with dumping off, patched with
@@ -27,6 +27,8 @@ Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - trace: one round of the prefill workload on dump off and each --contenders match under
   SGLang's torch profiler: the GPU's timeline per stream, the forward stream's idle gaps and
   what resumed each, and the host threads' CUDA runtime calls (scripts/bench/trace.py).
+- sample: a serving load on dumping off, 1% of requests sampled and every request dumped:
+  throughput and the latency of the requests not dumped (scripts/bench/sampled_traffic.py).
 
 Every dumping server logs its dump timings as it exits (DumpTimings: scheduler time taking
 rows and blocked on a full queue, writer time waiting for copies, writing, and taking its
@@ -62,6 +64,7 @@ from scripts.bench.dump_stages import STAGE_ENV, forward_hooks_arg
 from scripts.bench.profile import read_stacks, summarize
 from scripts.bench.trace import summarize_trace
 from scripts.bench.run import BenchRun, rss_parts_kib, total_rss_kib
+from scripts.bench.sampled_traffic import suite_sample
 from scripts.dumps.server import Server, child_pids, has_gpu
 from scripts.dumps.tiny_model import ensure_model
 
@@ -84,7 +87,8 @@ PRESETS = {
     # 2 CPU cores: small enough to finish in minutes.
     "cpu": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=3, server_args=SERVER_ARGS,
                 lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8, fidelity_prompts=4,
-                store_consumers=STORE_CONSUMERS, store_segment_size=1 << 30),
+                store_consumers=STORE_CONSUMERS, store_segment_size=1 << 30,
+                traffic=dict(requests=256, in_flight=32, prompt_len=128, max_new_tokens=16)),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
     # Up to five servers share the GPU. Prefill batches of 256 x 512 tokens exceed the
     # prefill CUDA graphs' token limit, so graphs would only serve warmup; off, servers
@@ -104,7 +108,8 @@ PRESETS = {
                                 "8 writer threads": {"SGLANG_HS_DUMP_WRITER_THREADS": "8"},
                                 "16 writer threads": {"SGLANG_HS_DUMP_WRITER_THREADS": "16"},
                                 "writer threads": {"SGLANG_HS_DUMP_WRITER_PROCESS": "0"}},
-                tmpfs_copier_hooks={"fp8 quantized by PyTorch": ({"SGLANG_HS_DUMP_DTYPE": "fp8"}, "quantized_by_pytorch")}),
+                tmpfs_copier_hooks={"fp8 quantized by PyTorch": ({"SGLANG_HS_DUMP_DTYPE": "fp8"}, "quantized_by_pytorch")},
+                traffic=dict(requests=2048, in_flight=256, prompt_len=512, max_new_tokens=64)),
     # A TP8 rank's compute per token: one rank of DeepSeek-V3 / Kimi-K2.5 (61 layers, 58 of
     # them MoE with 8 of 256 experts active, TP8) does about 9 GFLOP per token; 16 layers at
     # DeepSeek width with this model's experts do about 6, so a prefill runs at the rate a
@@ -135,7 +140,8 @@ PRESETS = {
                      # The store holds a round of 768 prompts (22.5 GB of bf16 rows) with room
                      # to spare; its consumers keep it near empty.
                      store_consumers=STORE_CONSUMERS, store_segment_size=32 << 30,
-                     store_variants={"in the server's own memory": {"MOONCAKE_GLOBAL_SEGMENT_SIZE": "16GB"}}),
+                     store_variants={"in the server's own memory": {"MOONCAKE_GLOBAL_SEGMENT_SIZE": "16GB"}},
+                     traffic=dict(requests=2048, in_flight=256, prompt_len=512, max_new_tokens=64)),
 }
 
 
@@ -652,7 +658,7 @@ def suite_trace(run: BenchRun) -> dict:
 
 SUITES = {"prefill": suite_prefill, "hidden": suite_hidden, "write": suite_write, "scaling": suite_scaling,
           "profile": suite_profile, "fp8": suite_fp8,
-          "trace": suite_trace}
+          "trace": suite_trace, "sample": suite_sample}
 
 
 def main(argv=None) -> int:
