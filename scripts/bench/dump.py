@@ -27,7 +27,8 @@ Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - trace: one round of the prefill workload on dump off and each --contenders match under
   SGLang's torch profiler: the GPU's timeline per stream, the forward stream's idle gaps and
   what resumed each, and the host threads' CUDA runtime calls (scripts/bench/trace.py).
-- sample: a serving load on dumping off, 1% of requests sampled and every request dumped:
+- sample: a serving load on dumping off, dumping on with none sampled, 1% of requests sampled
+  and every request dumped:
   throughput and the latency of the requests not dumped (scripts/bench/sampled_traffic.py).
 
 Every dumping server logs its dump timings as it exits (DumpTimings: scheduler time taking

@@ -54,12 +54,11 @@ def is_selected(req) -> bool:
     is set to anything true (a value read loosely errs toward privacy) or DUMP_PARAM is
     false; always when DUMP_PARAM is true; otherwise when the server's sample takes it."""
     custom_params = getattr(req.sampling_params, "custom_params", None)
-    if isinstance(custom_params, dict):
-        if custom_params.get(PRIVATE_PARAM) or custom_params.get(DUMP_PARAM) is False:
-            return False
-        if custom_params.get(DUMP_PARAM) is True:
-            return True
-    return request_sample().takes(req.rid)
+    if isinstance(custom_params, dict) and (
+        custom_params.get(PRIVATE_PARAM) or custom_params.get(DUMP_PARAM) is False
+    ):
+        return False
+    return asks_for_dump(req) or request_sample().takes(req.rid)
 
 
 def asks_for_dump(req) -> bool:
