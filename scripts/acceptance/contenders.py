@@ -2,7 +2,7 @@
 export of one dump of the same records, with the same steps, and served by SGLang with EAGLE-3:
 
     untrained      the draft config alone, weights from SGLang's dummy loader (the floor)
-    ours-seed1/2   our bf16 dump of the EAGLE-3 layers, two training seeds (the run's noise)
+    ours           our bf16 dump of the EAGLE-3 layers (its seeds' spread is the run's noise)
     shifted        a dump of the layers one above, served with the config of the right ones (the
                    field's +1 trap; export_specforge --draft-config refuses it, which is recorded)
     fp8            our fp8 dump of the EAGLE-3 layers (exported dequantized)
@@ -12,7 +12,8 @@ export of one dump of the same records, with the same steps, and served by SGLan
     transformers   the same records' features from transformers' own forward of the target
                    (scripts/acceptance/reference_capture.py), SGLang nowhere on the path
 
-`agreement`, named among the contenders, trains nothing: it makes our bf16 export and both
+A contender is named with its training seed: `ours-seed3`, `anchor-seed2` (a name without one,
+`anchor`, is seed 1; `untrained` has none). `agreement`, named among the contenders, trains nothing: it makes our bf16 export and both
 references' features of the same records and compares them sample by sample (tokens equal,
 elements bit-equal, relative error), into OUT/acceptance.json's "agreement".
 
@@ -23,6 +24,7 @@ is appended to OUT/acceptance.json as soon as it is known, and each stage's log 
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -65,15 +67,24 @@ SPECFORGE_CAPTURE, TRANSFORMERS_FORWARD = "specforge-capture", "transformers-for
 REFERENCES = (SPECFORGE_CAPTURE, TRANSFORMERS_FORWARD)
 AGREEMENT = "agreement"
 AGREEMENT_SAMPLES = 256
-CONTENDERS = {
-    "untrained": Contender(None),
-    "ours-seed1": Contender("bf16", 1),
-    "ours-seed2": Contender("bf16", 2),
-    "shifted": Contender("bf16-shifted", 1),
-    "fp8": Contender("fp8", 1),
-    "anchor": Contender(SPECFORGE_CAPTURE, 1),
-    "transformers": Contender(TRANSFORMERS_FORWARD, 1),
-}
+# Each contender's features; a trained one is named `NAME` (seed 1) or `NAME-seedN`.
+FEATURES = {"untrained": None, "ours": "bf16", "shifted": "bf16-shifted", "fp8": "fp8",
+            "anchor": SPECFORGE_CAPTURE, "transformers": TRANSFORMERS_FORWARD}
+SEEDED = re.compile(r"(?P<base>[a-z0-9]+)(?:-seed(?P<seed>[1-9][0-9]{0,5}))?")
+
+
+def contender_named(name: str) -> Contender:
+    """The contender `name` names: untrained, or a trained one with its seed (ours-seed2,
+    anchor, anchor-seed3; ours needs its seed named, as the table's rows have it)."""
+    match = SEEDED.fullmatch(name)
+    base = match and match["base"]
+    if base not in FEATURES or (base == "untrained" and match["seed"]) or (base == "ours" and not match["seed"]):
+        raise ToolError(f"no contender {name}; the contenders are untrained, ours-seedN, and "
+                        f"{', '.join(b for b in FEATURES if b not in ('untrained', 'ours'))} with an optional "
+                        f"-seedN (seed 1 without one), and {AGREEMENT}")
+    if base == "untrained":
+        return Contender(None)
+    return Contender(FEATURES[base], int(match["seed"] or 1))
 
 
 def served_layer_ids() -> List[int]:
@@ -185,7 +196,7 @@ class Pipeline:
                                                self.out / f"draft-export-{name}.log", STAGE_TIMEOUT_S["draft_export"])
 
     def run(self, name: str) -> None:
-        contender = CONTENDERS[name]
+        contender = contender_named(name)
         result = {"dump": contender.dump, "seed": contender.seed}
         self.results["contenders"][name] = result
         started = time.monotonic()
@@ -237,9 +248,9 @@ def specforge_capture(target: Path, config: Path, records: Path, out: Path, log:
 
 
 def run_pipeline(target: Path, work: Path, out: Path, names: List[str]) -> None:
-    unknown = [name for name in names if name not in CONTENDERS and name != AGREEMENT]
-    if unknown:
-        raise ToolError(f"no contender {', '.join(unknown)}; the contenders are {', '.join(CONTENDERS)} (and {AGREEMENT})")
+    for name in names:  # every name checked before the first stage starts
+        if name != AGREEMENT:
+            contender_named(name)
     pipeline = Pipeline(target, work, out)
     for name in names:
         if name == AGREEMENT:

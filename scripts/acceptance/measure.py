@@ -8,6 +8,7 @@ sum of spec_verify_ct); tokens per second are measured with one request at a tim
 import json
 import statistics
 import time
+import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -21,6 +22,10 @@ SAMPLINGS = {"greedy": {"temperature": 0.0}, "temperature-0.7": {"temperature": 
 MAX_NEW_TOKENS = 128
 CONCURRENCY = 32
 SAMPLING_SEED = 20261204
+# One answer of MAX_NEW_TOKENS takes about a second here; a server that gives none in this long
+# has hung (run d's anchor draft did, at temperature 0.7), and the step ends it rather than
+# spend the rest of its call waiting.
+ANSWER_TIMEOUT_S = 120
 
 
 def serve_args(draft: Path, dummy_weights: bool) -> List[str]:
@@ -36,10 +41,15 @@ def serve_args(draft: Path, dummy_weights: bool) -> List[str]:
 
 
 def _answer(server: Server, prompt: dict, sampling: dict) -> dict:
-    answer = server.post("/generate", {
-        "input_ids": prompt["input_ids"],
-        "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, **sampling},
-    })
+    body = {"input_ids": prompt["input_ids"],
+            "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True, **sampling}}
+    try:
+        answer = server.post("/generate", body, timeout=ANSWER_TIMEOUT_S)
+    except (TimeoutError, urllib.error.URLError) as e:
+        if not isinstance(getattr(e, "reason", e), TimeoutError):
+            raise
+        raise RuntimeError(f"prompt {prompt['id']} had no answer in {ANSWER_TIMEOUT_S} s under {sampling}: "
+                           f"the server hung (its log: {server.log_path.name})") from e
     meta = answer["meta_info"]
     return {"id": prompt["id"], "completion_tokens": meta["completion_tokens"],
             "spec_verify_ct": meta.get("spec_verify_ct", 0),

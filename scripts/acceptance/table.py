@@ -6,12 +6,14 @@ One row a contender (its latest measurement), acceptance length greedy and at te
 (generated tokens per verify step, from SGLang's counters), tokens per second with one request,
 and each against the mean of the draft trained on our bf16 dump (the `ours-seed*` rows, whose
 spread is the run's noise). A contender whose step ended before every sampling was measured
-shows the samplings it has, "-" for the rest. Then the agreement of our export with each
+shows the samplings it has, "-" for the rest. Then each contender over its seeds (`anchor`,
+`anchor-seed2`: the anchor), their mean and spread beside ours. Then the agreement of our export with each
 reference capture of the same records, where a run measured it.
 """
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -74,11 +76,42 @@ def table(rows: dict) -> str:
     return "\n".join(lines)
 
 
+def family(name: str) -> str:
+    """The contender a row is a seed of: `anchor-seed2` and `anchor` are both the anchor."""
+    return re.sub(r"-seed[0-9]+$", "", name)
+
+
+def seeds_table(rows: dict) -> str:
+    """Each contender over its seeds: how many, the mean, the spread (largest less smallest),
+    and the mean against ours. A difference inside both spreads is not a measured one."""
+    families: dict = {}
+    for name, row in rows.items():
+        families.setdefault(family(name), []).append(row)
+    ours = families.get("ours", [])
+    lines = ["| contender | seeds | greedy mean | spread | vs ours | temperature 0.7 mean | spread | vs ours |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, members in families.items():
+        cells = [name, str(len(members))]
+        for sampling in SAMPLINGS:
+            values = [r["samplings"][sampling]["accept_length"] for r in members if sampling in r["samplings"]]
+            baseline = [r["samplings"][sampling]["accept_length"] for r in ours if sampling in r["samplings"]]
+            if not values:
+                cells += ["-", "-", "-"]
+                continue
+            mean = statistics.fmean(values)
+            cells += [f"{mean:.3f} ({len(values)})", f"{max(values) - min(values):.3f}" if len(values) > 1 else "-",
+                      f"{(mean / statistics.fmean(baseline) - 1) * 100:+.1f}%" if baseline and name != "ours" else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, nargs="?", default=RESULTS)
     results = parser.parse_args(argv).results
-    print(table(latest(results)))
+    rows = latest(results)
+    print(table(rows))
+    print("\n" + seeds_table(rows))
     found = agreements(results)
     if found:
         print("\n" + agreement_table(found))
