@@ -22,10 +22,11 @@ SAMPLINGS = {"greedy": {"temperature": 0.0}, "temperature-0.7": {"temperature": 
 MAX_NEW_TOKENS = 128
 CONCURRENCY = 32
 SAMPLING_SEED = 20261204
-# One answer of MAX_NEW_TOKENS takes about a second here; a server that gives none in this long
-# has hung (run d's anchor draft did, at temperature 0.7), and the step ends it rather than
-# spend the rest of its call waiting.
-ANSWER_TIMEOUT_S = 120
+# One answer of MAX_NEW_TOKENS takes about a second here, but the first answers sampled at a
+# temperature on a fresh machine wait about 100 s (SGLang compiles for that path then; run d
+# met its call's limit inside that wait). A server that gives none in this long has hung, and
+# the step ends the contender rather than spend the rest of its call waiting.
+ANSWER_TIMEOUT_S = 300
 
 
 def serve_args(draft: Path, dummy_weights: bool) -> List[str]:
