@@ -98,8 +98,12 @@ class Pipeline:
     def __init__(self, target: Path, work: Path, out: Path):
         self.target, self.work, self.out = target, work, out
         self.results_path = out / "acceptance.json"
+        import torch
+
+        # The GPU the step ran on: acceptance compares across GPUs, tokens per second do not.
         self.results = {"target": str(target), "layers": LAYERS, "training": TRAINING,
-                        "train_tokens": TRAIN_TOKENS, "contenders": {}}
+                        "train_tokens": TRAIN_TOKENS, "contenders": {},
+                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
         self.exports: Dict[str, Path] = {}
         from transformers import AutoTokenizer
 
