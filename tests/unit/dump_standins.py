@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
+from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper, layers_captured_in
 from sglang.srt.hidden_states_dump.config import DumpConfig
 from sglang.srt.hidden_states_dump.format import (
     CHECKSUM_FIELD,
@@ -84,20 +84,22 @@ def run_forward(dumper: HiddenStatesDumper, batch: List[Extend]) -> None:
         extend_seq_lens_cpu=[len(tokens) for _, tokens, _ in batch],
         input_ids=torch.tensor(token_ids, dtype=torch.int32),
     )
-    aux = [layer_rows(token_ids, layer_id) for layer_id in sorted(dumper.layer_ids)]
+    captured = layers_captured_in(forward_batch, dumper.layer_ids)
+    aux = [layer_rows(token_ids, layer_id) for layer_id in sorted(captured)]
     dumper.capture(forward_batch, final_rows(token_ids), aux)
 
 
 def run_decode(dumper: HiddenStatesDumper, token_ids: Sequence[int]) -> None:
-    """A decode forward: the scheduler attaches no dump requests to it."""
+    """A decode forward: the scheduler attaches no dump requests to it, and the model
+    captures no layers."""
     forward_batch = SimpleNamespace(
-        hidden_states_dump_requests=None,
+        hidden_states_dump_requests=[],
         extend_prefix_lens_cpu=None,
         extend_seq_lens_cpu=None,
         input_ids=torch.tensor(token_ids, dtype=torch.int32),
     )
-    aux = [layer_rows(token_ids, layer_id) for layer_id in sorted(dumper.layer_ids)]
-    dumper.capture(forward_batch, final_rows(token_ids), aux)
+    assert layers_captured_in(forward_batch, dumper.layer_ids) == ()
+    dumper.capture(forward_batch, final_rows(token_ids), [])
 
 
 def stats(dumper: HiddenStatesDumper) -> Dict[str, int]:

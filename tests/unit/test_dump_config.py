@@ -173,7 +173,30 @@ def test_with_dumping_off_no_batch_carries_requests_to_dump():
 
     dump_enabled.cache_clear()
     assert requests_to_dump([make_req("a")]) is None
+    assert requests_to_dump([make_req("a")], is_extend=False) is None
     assert not holds_dumped_request(requests_to_dump([make_req("a")]))
+
+
+def test_a_decode_batch_carries_no_request_to_dump(dumping_on):
+    assert requests_to_dump([make_req("a"), make_req("b")], is_extend=False) == []
+
+
+def test_only_a_forward_that_dumps_a_request_captures_layers():
+    from types import SimpleNamespace
+
+    from sglang.srt.hidden_states_dump.capture import layers_captured_in
+
+    layers = [3, 5, 6]
+
+    def captured(requests):
+        return layers_captured_in(SimpleNamespace(hidden_states_dump_requests=requests), layers)
+
+    # Dumping off: whoever set the layers (EAGLE-3 serving) captures them in every forward.
+    assert captured(None) == layers
+    # Dumping on: a decode step, and a prefill of requests none of which is dumped, capture nothing.
+    assert captured([]) == ()
+    assert captured([None, None]) == ()
+    assert captured([None, DumpRequest("a", 3)]) == layers
 
 
 # --- check_dump_dir / check_server_args --------------------------------------------

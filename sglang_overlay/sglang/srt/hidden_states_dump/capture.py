@@ -31,7 +31,7 @@ from sglang.srt.hidden_states_dump.format import (
     quantized_file_rows_like,
 )
 from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostBuffers
-from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.hidden_states_dump.requests import DumpRequest, holds_dumped_request
 from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
 from sglang.srt.hidden_states_dump.store_sink import StoreDumpWriter
 from sglang.srt.hidden_states_dump.startup_checks import (
@@ -102,6 +102,18 @@ def forward_rows_bytes(
     captured layers and the final state (`itemsize` bytes a value), with fp8's scales."""
     scales = (num_layers + 1) * 4 if fp8 else 0
     return num_tokens * (8 + (num_layers + 1) * hidden_size * itemsize + scales)
+
+
+def layers_captured_in(forward_batch, layers_to_capture):
+    """The layers a forward captures. A batch of a server that dumps (the dump is then the
+    only capturer: it refuses speculative decoding) captures them only where it dumps a
+    request; decode steps and the prefills of requests not dumped capture nothing, as with
+    dumping off. Every rank of an attention group holds the same batch, so they agree; a
+    batch built for a CUDA graph's capture carries no requests, and captures."""
+    requests = forward_batch.hidden_states_dump_requests
+    if requests is None or holds_dumped_request(requests):
+        return layers_to_capture
+    return ()
 
 
 class HiddenStatesDumper:
@@ -225,7 +237,7 @@ class HiddenStatesDumper:
         aux_hidden_states: Optional[Sequence[torch.Tensor]],
     ) -> None:
         requests = forward_batch.hidden_states_dump_requests
-        if requests is None or not self.is_writer:
+        if not requests or not self.is_writer:  # dumping off, or a decode step
             return
         started = time.perf_counter()
         spans, continuing = self._spans(forward_batch, requests)

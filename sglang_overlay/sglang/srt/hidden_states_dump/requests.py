@@ -73,11 +73,13 @@ def may_match_cached_prefix(req) -> bool:
     return not (dump_enabled() and wants_dump(req))
 
 
-def requests_to_dump(reqs) -> Optional[List[Optional[DumpRequest]]]:
-    """Per request of an extend batch, what to dump (None: not dumped); None when
-    dumping is off."""
+def requests_to_dump(reqs, is_extend: bool = True) -> Optional[List[Optional[DumpRequest]]]:
+    """Per request of an extend batch, what to dump (None: not dumped); none for a batch
+    that extends nothing (a decode step); None when dumping is off."""
     if not dump_enabled():
         return None
+    if not is_extend:
+        return []
     return [
         DumpRequest(req.rid, len(req.origin_input_ids), loss_mask_runs(req), req, asks_for_dump(req))
         if wants_dump(req)
