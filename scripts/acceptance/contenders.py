@@ -25,6 +25,7 @@ is appended to OUT/acceptance.json as soon as it is known, and each stage's log 
 import json
 import os
 import re
+import shutil
 import sys
 import time
 import traceback
@@ -116,8 +117,10 @@ class Pipeline:
 
     def records(self) -> Path:
         path = self.work / "records.jsonl"
-        if not path.exists():
-            self.results["records"] = data.write_train_records(self.tokenizer, path, TRAIN_TOKENS, RECORD_TOKENS)
+        if not path.exists():  # written whole, then named: a later step on a warm machine reuses it
+            partial = path.with_suffix(".partial")
+            self.results["records"] = data.write_train_records(self.tokenizer, partial, TRAIN_TOKENS, RECORD_TOKENS)
+            partial.rename(path)
         return path
 
     def export(self, dump: str, config: Path) -> Path:
@@ -129,6 +132,8 @@ class Pipeline:
             return self.exports[dump]
         spec = DUMPS[dump]
         dump_dir, export_dir = self.work / f"dump-{dump}", self.work / f"export-{dump}"
+        if self.kept_features(dump, export_dir):
+            return export_dir
         started = time.monotonic()
         args = [sys.executable, "-m", "scripts.dumps.generate", "--dataset", str(self.records()),
                 "--out", str(dump_dir), "--model", str(self.target), "--concurrency", "64",
@@ -152,16 +157,35 @@ class Pipeline:
             run_tool(export, self.out / f"export-{dump}-unchecked.log", STAGE_TIMEOUT_S["export"])
         record["export_s"] = round(time.monotonic() - dumped, 1)
         record["values"] = json.loads((export_dir / "draft_config_values.json").read_text())
-        self.results.setdefault("dumps", {})[dump] = record
-        self.save()
-        self.exports[dump] = export_dir
+        self.features_made(dump, export_dir, record)
         return export_dir
+
+    def features_made(self, source: str, features: Path, record: dict) -> None:
+        """Records `source`'s finished features, here and beside them in WORK, where a later
+        step on the same machine finds them (kept_features)."""
+        self.results.setdefault("dumps", {})[source] = record
+        self.save()
+        self.exports[source] = features
+        (self.work / f"{features.name}.done.json").write_text(json.dumps(record) + "\n")
+
+    def kept_features(self, source: str, features: Path) -> bool:
+        """Whether an earlier step on this machine (a warm one keeps WORK) finished `source`'s
+        features; a folder without its record is a step that stopped halfway, and is made again."""
+        done = self.work / f"{features.name}.done.json"
+        if not (done.exists() and features.is_dir()):
+            return False
+        self.results.setdefault("dumps", {})[source] = dict(json.loads(done.read_text()), kept_from_an_earlier_step=True)
+        self.save()
+        self.exports[source] = features
+        return True
 
     def reference_features(self, source: str, config: Path) -> Path:
         """The features another capture makes of the records, in SpecForge's layout."""
         if source in self.exports:
             return self.exports[source]
         out = self.work / f"export-{source}"
+        if self.kept_features(source, out):
+            return out
         started = time.monotonic()
         if source == SPECFORGE_CAPTURE:
             record = specforge_capture(self.target, config, self.records(), out, self.out / f"capture-{source}.log")
@@ -169,9 +193,7 @@ class Pipeline:
             from scripts.acceptance import reference_capture
 
             record = reference_capture.capture(self.target, self.records(), out, LAYERS, RECORD_TOKENS)
-        self.results.setdefault("dumps", {})[source] = dict(record, capture_s=round(time.monotonic() - started, 1))
-        self.save()
-        self.exports[source] = out
+        self.features_made(source, out, dict(record, capture_s=round(time.monotonic() - started, 1)))
         return out
 
     def agreement(self) -> None:
@@ -193,6 +215,7 @@ class Pipeline:
     def train(self, name: str, contender: Contender, features: Path, config: Path) -> Path:
         """SpecForge's trainer on `features`, then its export to a folder SGLang serves."""
         work = self.work / f"train-{name}"
+        shutil.rmtree(work, ignore_errors=True)  # what a step stopped mid-training left on a warm machine
         run = specforge_training.run_config(name, self.trainer_target, config, features, work, RECORD_TOKENS,
                                             dict(TRAINING), contender.seed)
         specforge_training.train(run, self.out / f"train-{name}.log", STAGE_TIMEOUT_S["train"])
