@@ -1,6 +1,6 @@
 """Benchmarks of the hidden-states dump against its alternatives, each comparison in one run.
 
-    python -m scripts.bench.dump --suite prefill|hidden|write|scaling|fp8|profile|trace|sample [--preset cpu|gpu|gpu-rank] --out FILE.json
+    python -m scripts.bench.dump --suite prefill|hidden|write|scaling|fp8|profile|trace|sample [--preset cpu|gpu|gpu-rank|gpu-traffic] --out FILE.json
 
 Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - prefill: prompt tokens/s of unpatched upstream, patched with dumping off, patched with
@@ -90,6 +90,12 @@ PRESETS = {
                 lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8, fidelity_prompts=4,
                 store_consumers=STORE_CONSUMERS, store_segment_size=1 << 30,
                 traffic=dict(requests=256, in_flight=32, prompt_len=128, max_new_tokens=16)),
+    # The sample suite on a GPU: the tiny model, so a step's time is the scheduler's own work (the
+    # Python of every forward, where a capture's cost would show first), decode CUDA graphs on as
+    # served. Four servers share the GPU; --max-total-tokens, not the fraction, sizes each KV cache.
+    "gpu-traffic": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=5,
+                        server_args=SERVER_ARGS + ("--mem-fraction-static", "0.15", "--max-total-tokens", "131072"),
+                        traffic=dict(requests=1024, in_flight=128, prompt_len=128, max_new_tokens=32)),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
     # Up to five servers share the GPU. Prefill batches of 256 x 512 tokens exceed the
     # prefill CUDA graphs' token limit, so graphs would only serve warmup; off, servers
