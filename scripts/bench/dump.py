@@ -93,7 +93,9 @@ PRESETS = {
     # The sample suite on a GPU: the tiny model, so a step's time is the scheduler's own work (the
     # Python of every forward, where a capture's cost would show first), decode CUDA graphs on as
     # served. Four servers share the GPU; --max-total-tokens, not the fraction, sizes each KV cache.
-    "gpu-traffic": dict(model=dict(layers=4), prompts=16, prompt_len=256, repeats=5,
+    # DeepSeek's attention widths: at the cpu widths the triton MLA decode kernel does not compile
+    # on an H100 (its tl.dot meets head widths of 64 and 128).
+    "gpu-traffic": dict(model=dict(layers=4, widths="deepseek"), prompts=16, prompt_len=256, repeats=5,
                         server_args=SERVER_ARGS + ("--mem-fraction-static", "0.15", "--max-total-tokens", "131072"),
                         traffic=dict(requests=1024, in_flight=128, prompt_len=128, max_new_tokens=32)),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
