@@ -163,8 +163,9 @@ generate: apply runtime ## DATASET= OUT= MODEL= [GENERATE_ARGS=]: serve MODEL wi
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.dumps.generate --dataset $(abspath $(DATASET)) --out $(abspath $(OUT)) --model $(abspath $(MODEL)) $(GENERATE_ARGS)
 
 BENCH_SUITES ?= prefill hidden write scaling
-bench: apply runtime ## benchmarks (scripts/bench/dump.py) into results/bench-<host kind>-<version>.json; see BENCHMARKS.md
-	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.dump $(foreach suite,$(BENCH_SUITES),--suite $(suite)) \
+BENCH_ARGS ?=
+bench: apply runtime ## benchmarks (scripts/bench/dump.py [BENCH_ARGS]) into results/bench-<host kind>-<version>.json; see BENCHMARKS.md
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.dump $(foreach suite,$(BENCH_SUITES),--suite $(suite)) $(BENCH_ARGS) \
 		--out results/bench-$(if $(shell command -v nvidia-smi),gpu,cpu)-$(VERSION).json
 
 bench-generate: apply runtime ## the generate command vs the raw concurrent sender on one server (scripts/bench/generate.py) into results/bench-generate-<host kind>-<version>.json

@@ -677,16 +677,19 @@ def main(argv=None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="dump dirs and server logs (default: a temp dir)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--contenders", default=None,
-                        help="prefill suite: keep the contenders whose name this regex matches (and dump off)")
+                        help="prefill and sample suites: keep the contenders whose name this regex matches (and dump off)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no new round this many seconds after the start (each comparison keeps one)")
     parser.add_argument("--prompts", type=int, default=None,
                         help="prompts a round instead of the preset's (longer rounds: what a sustained load "
                              "sees, the tail after a round's last response paid once a round)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds instead of the preset's")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     if args.prompts:
         preset = dict(preset, prompts=args.prompts)
+    if args.repeats:
+        preset = dict(preset, repeats=args.repeats)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-dump-"))
     work.mkdir(parents=True, exist_ok=True)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}

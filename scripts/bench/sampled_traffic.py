@@ -7,6 +7,7 @@ tokens/s of a round (to its last response), and the latency of the requests the 
 dump and of all its requests (median and p99 over the round); a dumping server's round then waits, untimed, until the
 files of the requests it did dump have landed, so no round inherits another's backlog."""
 
+import re
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,9 +51,12 @@ def stats(values: List[float]) -> Dict[str, float]:
 def suite_sample(run) -> dict:
     preset = run.preset
     traffic = preset["traffic"]
-    names = list(CONTENDERS)
+    # --contenders keeps the ones whose name it matches, beside dumping off.
+    contenders = {name: env for name, env in CONTENDERS.items()
+                  if env is None or not run.contenders or re.search(run.contenders, name)}
+    names = list(contenders)
     dump_dirs: Dict[str, Optional[Path]] = {name: None if env is None else run.work / f"dump-sample-{index}"
-                                            for index, (name, env) in enumerate(CONTENDERS.items())}
+                                            for index, (name, env) in enumerate(contenders.items())}
     round_s = {name: [] for name in names}
     # Latency median and p99 per round: of the requests not dumped ("every request" has none)
     # and of all requests.
@@ -82,7 +86,7 @@ def suite_sample(run) -> dict:
 
     servers = {}
     try:
-        for index, (name, env) in enumerate(CONTENDERS.items()):
+        for index, (name, env) in enumerate(contenders.items()):
             server_env = {} if env is None else dict(env, SGLANG_HS_DUMP_DIR=str(dump_dirs[name]))
             servers[name] = run.start_server(f"sample-{index}", server_env)
         for server in servers.values():
