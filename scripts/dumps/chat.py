@@ -15,11 +15,18 @@ reply the template adds). Two ways to find them:
 A template that allows neither (it rewrites earlier turns, as templates that drop past
 reasoning do) is refused at startup; `--loss-mask all` trains on every token instead.
 
+Turns go to the template as SGLang's chat endpoint gives them: tool-call arguments given as
+JSON text as objects, the record's tool definitions as `tools`. SGLang also fills each turn's
+unset fields with nulls (its message models): a template that tests whether a key is present,
+rather than whether it is set, can render the same turn differently there.
+
 Plain text records (a base model's data) are the text's tokens as the tokenizer encodes it,
 with its own special tokens, all in the loss. A tokenizer without a chat template (a base
 model's) takes only those: a conversation is then rejected, naming --chat-template.
 """
 
+import copy
+import json
 import re
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -77,38 +84,38 @@ class ChatEncoder:
             return "every token (--loss-mask all)"
         return "generation markers" if self.generation_markers else "turn-by-turn prefixes"
 
-    def encode(self, messages: List[dict]) -> Tuple[List[int], List[int]]:
-        """(token ids, loss mask) of a whole conversation; raises Rejected when the template
-        refuses it or renders it inconsistently."""
+    def encode(self, messages: List[dict], tools: Optional[List[dict]] = None) -> Tuple[List[int], List[int]]:
+        """(token ids, loss mask) of a whole conversation (with its tool definitions); raises
+        Rejected when the template refuses it or renders it inconsistently."""
         if not self.template:
             raise Rejected("template", "a conversation, and the tokenizer has no chat template: pass "
                                        "--chat-template FILE, or give plain text records ({\"text\": ...})")
         if self.loss_mask == "assistant" and self.generation_markers:
             try:
                 encoded = self.tokenizer.apply_chat_template(
-                    messages, chat_template=self.template, tokenize=True, return_dict=True,
-                    return_assistant_tokens_mask=True)
+                    template_messages(messages), chat_template=self.template, tools=tools, tokenize=True,
+                    return_dict=True, return_assistant_tokens_mask=True)
             except Exception as e:  # jinja2's errors and the template's own raise_exception
                 raise Rejected("template", f"the chat template refused it: {e}")
             ids, mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
             if 1 not in mask:
                 raise Rejected("template", "the chat template marks no token of it as the assistant's")
             return ids, mask
-        text = self._render(messages)
+        text = self._render(messages, tools)
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(encoded["input_ids"])
         if self.loss_mask == "all":
             return ids, [1] * len(ids)
-        spans = self._reply_spans(messages, text)
+        spans = self._reply_spans(messages, text, tools)
         mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"]]
         return ids, mask
 
-    def generation_prompt(self, messages: List[dict]) -> List[int]:
+    def generation_prompt(self, messages: List[dict], tools: Optional[List[dict]] = None) -> List[int]:
         """The token ids that ask the model for the next assistant turn after `messages`:
         the template's rendering with its generation prompt, tokenized as `encode` does."""
         if not self.template:
             raise Rejected("template", "a conversation, and the tokenizer has no chat template: pass --chat-template FILE")
-        text = self._render(messages, add_generation_prompt=True)
+        text = self._render(messages, tools, add_generation_prompt=True)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: List[int]) -> str:
@@ -120,21 +127,23 @@ class ChatEncoder:
         ids = list(self.tokenizer(text)["input_ids"])
         return ids, [1] * len(ids)
 
-    def _render(self, messages: List[dict], add_generation_prompt: bool = False) -> str:
+    def _render(self, messages: List[dict], tools: Optional[List[dict]] = None,
+                add_generation_prompt: bool = False) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+            return self.tokenizer.apply_chat_template(template_messages(messages), chat_template=self.template,
+                                                      tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as e:
             raise Rejected("template", f"the chat template refused it: {e}")
 
-    def _reply_spans(self, messages: List[dict], text: str) -> List[Tuple[int, int]]:
+    def _reply_spans(self, messages: List[dict], text: str, tools: Optional[List[dict]] = None) -> List[Tuple[int, int]]:
         """Character spans of the assistant's replies in the rendering `text`."""
         spans = []
         for n, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self._render(messages[:n], add_generation_prompt=True)
-            through = self._render(messages[:n + 1])
+            before = self._render(messages[:n], tools, add_generation_prompt=True)
+            through = self._render(messages[:n + 1], tools)
             if not through.startswith(before):
                 raise Rejected("template", f"rendering turn {n} changes the text before it")
             if not text.startswith(through):
@@ -143,3 +152,17 @@ class ChatEncoder:
                 raise Rejected("template", f"turn {n} (the assistant's) renders as nothing")
             spans.append((len(before), len(through)))
         return spans
+
+
+def template_messages(messages: List[dict]) -> List[dict]:
+    """The turns as SGLang's chat endpoint hands them to the template: tool-call arguments
+    given as JSON text parsed into objects (templates render objects), the rest as given."""
+    if not any("tool_calls" in message for message in messages):
+        return messages
+    messages = copy.deepcopy(messages)
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            arguments = call["function"].get("arguments")
+            if isinstance(arguments, str):
+                call["function"]["arguments"] = json.loads(arguments) if arguments.strip() else {}
+    return messages

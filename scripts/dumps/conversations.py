@@ -6,6 +6,13 @@ record, or the reason it is not one.
     {"id": "a2", "messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
     {"id": "a3", "text": "..."}
 
+Turns keep what a chat template renders besides the text, as OpenAI's chat API writes it: an
+assistant turn's `reasoning_content` and `tool_calls` ([{"id", "type": "function",
+"function": {"name", "arguments"}}], arguments a JSON string or an object; its content may then
+be null), a tool turn's `tool_call_id` and `name`; the record's `tools` (OpenAI's tool
+definitions, [{"type": "function", "function": {"name", ...}}]) go to the template as SGLang's
+chat endpoint gives them. A shape other than these rejects the record, naming the turn.
+
 A record with `text` and no turns is plain text, as a base model (no chat template) is trained
 on: its sample is the text's tokens, every one of them in the loss.
 
@@ -51,6 +58,7 @@ class Sample:
     line: int
     messages: Optional[List[dict]]
     text: Optional[str] = None  # a plain text record's text (then messages is None)
+    tools: Optional[List[dict]] = None  # the record's tool definitions, as it gives them
 
 
 @dataclass
@@ -136,7 +144,7 @@ def to_sample(record: Record, dataset_name: str) -> Sample:
         raise Rejected("empty", "an empty conversation")
     if not any(m["role"] == "assistant" for m in messages):
         raise Rejected("no_assistant", "no assistant turn: nothing to train on")
-    return Sample(rid, record.line, messages)
+    return Sample(rid, record.line, messages, tools=_tools(value.get("tools")))
 
 
 def _rid(value: dict, dataset_name: str, line: int) -> str:
@@ -163,22 +171,83 @@ def _turns(value: dict) -> list:
 
 
 def _message(turn, n: int) -> dict:
-    """{"role", "content"} from an OpenAI ({"role", "content"}) or ShareGPT ({"from", "value"}) turn."""
+    """{"role", "content"} from an OpenAI ({"role", "content"}) or ShareGPT ({"from", "value"})
+    turn, with the fields a template renders besides the text where the turn has them."""
     if not isinstance(turn, dict):
         raise Rejected("unknown_shape", f"turn {n} is a {type(turn).__name__}, not an object")
     role = turn.get("role", turn.get("from"))
     content = turn.get("content", turn.get("value"))
     if role not in ROLES:
         raise Rejected("unknown_shape", f"turn {n} has the role {role!r}; known: {', '.join(sorted(ROLES))}")
+    role = ROLES[role]
     if isinstance(content, list):  # OpenAI content parts: text only
         if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
                    for part in content):
             raise Rejected("unknown_shape", f"turn {n} has content parts other than text")
         content = "".join(part["text"] for part in content)
+    message = {"role": role}
+    if role == "assistant" and turn.get("tool_calls"):
+        message["tool_calls"] = [_tool_call(call, n, k) for k, call in enumerate(_list(turn["tool_calls"], n, "tool_calls"))]
+        if content is None:
+            content = ""  # a turn that only calls tools: SGLang's chat endpoint renders null content as ""
     if not isinstance(content, str):
         raise Rejected("unknown_shape", f"turn {n} has no text content ({type(content).__name__})")
     _check_text(content, f"turn {n}")
-    return {"role": ROLES[role], "content": content}
+    message["content"] = content
+    extras = {"assistant": ("reasoning_content",), "tool": ("tool_call_id", "name")}.get(role, ())
+    for key in extras:
+        value = turn.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise Rejected("unknown_shape", f"turn {n}: its {key} is a {type(value).__name__}, not a string")
+        _check_text(value, f"turn {n}'s {key}")
+        message[key] = value
+    return message
+
+
+def _list(value, n: int, key: str) -> list:
+    if not isinstance(value, list):
+        raise Rejected("unknown_shape", f"turn {n}: its {key} is a {type(value).__name__}, not a list")
+    return value
+
+
+def _tool_call(call, n: int, k: int) -> dict:
+    """An OpenAI tool call, checked: {"id"?, "type": "function", "function": {"name", "arguments"}}
+    with arguments a JSON object or the JSON text of one, kept as given."""
+    where = f"turn {n}'s tool call {k}"
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise Rejected("unknown_shape", f"{where} is not {{\"function\": {{\"name\", \"arguments\"}}}}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as e:
+            raise Rejected("unknown_shape", f"{where}: its arguments are not JSON ({e})")
+        if not isinstance(parsed, dict):
+            raise Rejected("unknown_shape", f"{where}: its arguments are a JSON {type(parsed).__name__}, not an object")
+    elif not isinstance(arguments, dict):
+        raise Rejected("unknown_shape", f"{where}: its arguments are a {type(arguments).__name__}, not an object")
+    _check_text(json.dumps(call, ensure_ascii=False), where)
+    checked = {"type": call.get("type", "function"), "function": {"name": function["name"], "arguments": arguments}}
+    if call.get("id") is not None:
+        checked = {"id": str(call["id"]), **checked}
+    return checked
+
+
+def _tools(tools) -> Optional[List[dict]]:
+    """The record's tool definitions: OpenAI's [{"type": "function", "function": {"name", ...}}]."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise Rejected("unknown_shape", f"its tools are a {type(tools).__name__}, not a list")
+    for k, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise Rejected("unknown_shape", f"its tool {k} is not {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}")
+    _check_text(json.dumps(tools, ensure_ascii=False), "its tools")
+    return tools
 
 
 def _check_text(text: str, where: str) -> None:

@@ -52,9 +52,11 @@ from scripts.dumps.regenerate import (
     REGENERATE_REJECTED_NAME,
     REGENERATED_NAME,
     TRUNCATED,
+    Parsers,
     RegenerateTally,
     Regeneration,
     Sampling,
+    check_parsers,
     regenerated_metadata,
 )
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, AppendOnlyLines, read_lines, samples_line
@@ -409,7 +411,7 @@ class Generation:
         if sample.text is not None:
             input_ids, loss_mask = self.encoder.encode_text(sample.text)
         else:
-            input_ids, loss_mask = self.encoder.encode(sample.messages)
+            input_ids, loss_mask = self.encoder.encode(sample.messages, sample.tools)
         if self.max_tokens is not None and len(input_ids) > self.max_tokens:
             raise Rejected("too_long", f"{len(input_ids)} tokens, more than {self.max_tokens} ({self.max_tokens_why})")
         if 1 not in loss_mask:
@@ -554,6 +556,12 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
     regenerate.add_argument("--seed", type=int, default=0,
                             help="the run's seed (default 0), each turn's derived from it; SGLang honors it on a "
                                  "server started with --enable-deterministic-inference")
+    regenerate.add_argument("--reasoning-parser", metavar="NAME",
+                            help="split each answer's reasoning into reasoning_content with SGLang's parser NAME "
+                                 "(as for the server's --reasoning-parser), run by the server")
+    regenerate.add_argument("--tool-call-parser", metavar="NAME",
+                            help="parse each answer's tool calls into tool_calls with SGLang's parser NAME (as for "
+                                 "the server's --tool-call-parser), run by the server, for records that define tools")
     regenerate.add_argument("--truncated", choices=TRUNCATED, default="keep",
                             help="an answer that stops at --max-new-tokens: keep it, listed in the record's "
                                  "truncated_turns (default), or reject the record")
@@ -567,6 +575,8 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                      "not to --server")
     if args.concurrency < 1 or (args.limit is not None and args.limit < 0) or (args.max_length is not None and args.max_length < 1):
         parser.error("--concurrency and --max-length are positive, --limit is not negative")
+    if (args.reasoning_parser or args.tool_call_parser) and not args.regenerate:
+        parser.error("--reasoning-parser and --tool-call-parser parse regenerated answers: pass --regenerate")
     if args.regenerate and not (args.temperature >= 0 and 0 < args.top_p <= 1 and args.max_new_tokens >= 1):
         parser.error("--temperature is not negative, --top-p is in (0, 1], --max-new-tokens is positive")
     return args
@@ -611,8 +621,11 @@ def generate(args: argparse.Namespace) -> int:
         regenerated, limit = None, args.limit
         if args.regenerate:
             sampling = Sampling(args.temperature, args.top_p, args.max_new_tokens, args.seed)
-            regenerated = Regeneration([e.client for e in endpoints], args.out, encoder, sampling, args.truncated,
-                                       args.concurrency, args.retries).run(dataset, args.limit)
+            parsers = Parsers(args.reasoning_parser, args.tool_call_parser)
+            clients = [e.client for e in endpoints]
+            check_parsers(clients, parsers)
+            regenerated = Regeneration(clients, args.out, encoder, sampling, args.truncated, args.concurrency,
+                                       args.retries, parsers=parsers).run(dataset, args.limit)
             print(regenerate_report(regenerated, time.monotonic() - started), file=sys.stderr)
             dataset, limit = open_dataset(args.out / REGENERATED_NAME, args.split), None
         generation = Generation(endpoints, args.out, encoder, max_tokens, why, args.concurrency, args.retries,
@@ -636,7 +649,8 @@ def generate(args: argparse.Namespace) -> int:
 def regenerate_report(tally: RegenerateTally, seconds: float) -> str:
     rejected = sum(tally.rejected.values())
     lines = [f"regenerated {tally.regenerated} conversations in {seconds:.1f} s: {tally.turns} assistant turns, "
-             f"{tally.generated_tokens:,} tokens written by the model, {tally.truncated_turns} turns truncated",
+             f"{tally.generated_tokens:,} tokens written by the model, {tally.truncated_turns} turns truncated, "
+             f"{tally.cut} conversations ended where a turn called other tools than the dataset's",
              f"skipped as done: {tally.already_done}; rejected: {rejected}"
              + (f" ({', '.join(f'{kind} {n}' for kind, n in sorted(tally.rejected.items()))}, in "
                 f"{REGENERATE_REJECTED_NAME})" if rejected else "")

@@ -4,7 +4,10 @@ again, turn by turn, outside the command); the regeneration's own requests are n
 manifest holds one file per record), while the negative control, a request that does not
 decline, is; a private request is never dumped; the dump holds the regenerated conversations
 with their loss masks over the model's answers; the samples lines say how they were made; a
-rerun does nothing again; --truncated reject rejects what keep marks."""
+rerun does nothing again; --truncated reject rejects what keep marks. Reasoning and tool calls:
+the model's answers scripted in Kimi-K2's format (a tiny random model writes none), split by the
+server's own parsers into the fields the template renders; a turn that calls other tools than
+the dataset's ends the conversation there; a parser the server lacks stops the run first."""
 
 import json
 import random
@@ -14,11 +17,21 @@ import pytest
 
 from scripts.dump_format import load_dump, read_manifest
 from scripts.dumps.chat import ChatEncoder, load_tokenizer
+from scripts.dumps.conversations import Record, to_sample
 from scripts.dumps.generate import Client
-from scripts.dumps.regenerate import REGENERATE_REJECTED_NAME, REGENERATED_NAME
+from scripts.dumps.regenerate import (
+    REGENERATE_REJECTED_NAME,
+    REGENERATED_NAME,
+    Parsers,
+    Regeneration,
+    Sampling,
+    check_parsers,
+)
+from scripts.toolchain.errors import ToolError
 from scripts.dumps.samples import SAMPLES_NAME, mask_from_runs, read_lines
 from scripts.dumps.server import Server, runtime_env
 from tests.server.test_generate import DUMP_LAYERS, conversation, expected_mask, run_generate
+from tests.server.test_tool_turns import KIMI_LIKE_TEMPLATE, agent_record, split_by_mask
 
 MAX_NEW_TOKENS = 12
 CONVERSATIONS = 6
@@ -145,3 +158,85 @@ def test_truncated_answers_are_rejected_when_asked(served):
     rejected = {r["rid"] for r in read_lines(out / REGENERATE_REJECTED_NAME) if r["kind"] == "truncated"}
     assert rejected == truncated
     assert {r["id"] for r in read_lines(out / REGENERATED_NAME)} == {r["id"] for r in served["records"]} - truncated
+
+
+KIMI_PARSERS = Parsers(reasoning="kimi_k2", tool_call="kimi_k2")
+
+
+def kimi_call(city: str) -> str:
+    return ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            + json.dumps({"city": city}) + "<|tool_call_end|><|tool_calls_section_end|>")
+
+
+class ScriptedAnswers:
+    """The served model's answers, scripted per turn (rid#turnN -> text); everything else
+    (the parsers' endpoints) goes to the real server."""
+
+    def __init__(self, server, answers: dict):
+        self.client, self.answers, self.generate_bodies = Client(server.url), answers, []
+        self.url = server.url
+
+    def post(self, path: str, body: dict) -> dict:
+        if path != "/generate":
+            return self.client.post(path, body)
+        self.generate_bodies.append(body)
+        text = self.answers[body["rid"]]
+        return {"text": text, "meta_info": {"finish_reason": {"type": "stop"}, "completion_tokens": 9}}
+
+
+def regenerate_agents(served, tmp_path, answers: dict, records: list, parsers=KIMI_PARSERS):
+    encoder = ChatEncoder(load_tokenizer(served["model"]), KIMI_LIKE_TEMPLATE, "assistant")
+    client = ScriptedAnswers(served["server"], answers)
+    regeneration = Regeneration([client], tmp_path, encoder, Sampling(max_new_tokens=64), parsers=parsers)
+    samples = [to_sample(Record(n + 1, record), "agents") for n, record in enumerate(records)]
+    for sample in samples:
+        record, _ = regeneration.conversation(sample, 0)
+        yield sample, record, client, encoder
+
+
+def test_reasoning_and_tool_calls_are_split_by_the_servers_parsers(served, tmp_path):
+    answers = {"agent-1#turn1": "<think>Ask the tool.</think>Let me check." + kimi_call("Paris"),
+               "agent-1#turn3": "<think>Easy.</think>Sunny, 21 C."}
+    ((sample, record, client, encoder),) = regenerate_agents(served, tmp_path, answers, [agent_record()])
+    calling, answering = record["messages"][1], record["messages"][3]
+    assert calling["reasoning_content"] == "Ask the tool." and calling["content"] == "Let me check."
+    (call,) = calling["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert call["id"] == "functions.get_weather:0"  # the dataset's id: its tool turn answers it
+    assert record["messages"][2] == sample.messages[2]
+    assert answering == {"role": "assistant", "content": "Sunny, 21 C.", "reasoning_content": "Easy."}
+    assert record["tools"] == sample.tools
+    assert record["regenerated"]["cut_after_turn"] is None
+    assert record["regenerated"]["tool_call_parser"] == "kimi_k2"
+    # Each turn was asked for with its special tokens kept, after the turns regenerated before it.
+    first, second = client.generate_bodies
+    assert first["sampling_params"]["skip_special_tokens"] is False
+    assert first["input_ids"] == encoder.generation_prompt(sample.messages[:1], sample.tools)
+    assert second["input_ids"] == encoder.generation_prompt(record["messages"][:3], sample.tools)
+    # generate takes the record back: the loss covers the regenerated call.
+    taken_back = to_sample(Record(1, record), "regenerated")
+    in_loss, _ = split_by_mask(encoder, *encoder.encode(taken_back.messages, taken_back.tools))
+    assert '{"city": "Paris"}<|tool_call_end|>' in in_loss and "Ask the tool." in in_loss
+
+
+def test_a_turn_calling_other_tools_ends_the_conversation(served, tmp_path):
+    answers = {"agent-1#turn1": "<think>Rome, surely.</think>" + kimi_call("Rome")}
+    ((sample, record, _, _),) = regenerate_agents(served, tmp_path, answers, [agent_record()])
+    assert record["regenerated"]["cut_after_turn"] == 1
+    assert len(record["messages"]) == 2  # the dataset's tool answer was for Paris
+    (call,) = record["messages"][1]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Rome"}
+    assert call["id"] == "functions.get_weather:0"  # as SGLang's chat endpoint names Kimi-K2's calls
+    # The negative control: an answer with no call where the dataset called one ends it too.
+    answers = {"agent-1#turn1": "I cannot know the weather."}
+    ((_, record, _, _),) = regenerate_agents(served, tmp_path, answers, [agent_record()])
+    assert record["regenerated"]["cut_after_turn"] == 1 and "tool_calls" not in record["messages"][1]
+
+
+def test_a_parser_the_server_lacks_stops_the_run_first(served):
+    client = Client(served["server"].url)
+    check_parsers([client], KIMI_PARSERS)
+    with pytest.raises(ToolError, match="--tool-call-parser no_such_parser"):
+        check_parsers([client], Parsers(tool_call="no_such_parser"))
+    with pytest.raises(ToolError, match="--reasoning-parser no_such_parser"):
+        check_parsers([client], Parsers(reasoning="no_such_parser"))
