@@ -228,6 +228,36 @@ def test_a_restarted_writer_never_reuses_a_key(tmp_path, master, store_env):
         reader.remove(handle, force=True)
 
 
+def test_a_ref_a_kill_left_out_is_published_when_the_writer_starts_again(tmp_path, master, store_env):
+    """The writer appends a sample's manifest line, then its ref: killed between the two (or
+    while writing the ref), the sample is listed, so a rerun never dumps it again, while
+    SpecForge's trainer, which reads the channel, would never see it. A writer starting on the
+    manifest publishes the missing ref, rebuilt from the line, and cuts the torn one."""
+    from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
+
+    store_env("specforge", SGLANG_HS_DUMP_STORE_ID="unit-refs")
+    control = tmp_path / "control"
+    control.mkdir()
+    dumper = start_dumper(control, LAYERS)
+    feed(dumper)
+    wait_for_stats(dumper, lambda counters: counters["files"] == 2)
+    channel = control / REF_CHANNEL
+    first, second = channel.read_text().splitlines()
+    assert [line["rid"] for line in read_manifest(str(control))] == ["a", "b"]
+    # What such a kill leaves: b listed, its ref half written.
+    channel.write_text(first + "\n" + second[: len(second) // 2])
+    start_dumper(control, LAYERS)  # a writer started again on the same directory
+    assert channel.read_text() == first + "\n" + second + "\n"  # the ref rebuilt bit for bit
+    assert [ref.source_task_id for ref in StreamingRefChannel(str(channel)).poll()] == ["a", "b"]
+    # The negative control: with no ref missing, a writer starting again publishes none.
+    start_dumper(control, LAYERS)
+    assert channel.read_text() == first + "\n" + second + "\n"
+    reader = client(master)
+    for line in read_manifest(str(control)):
+        for spec in line["objects"].values():
+            reader.remove(spec["key"], force=True)
+
+
 def memory_holding(store, key: str) -> str:
     """The endpoint of the store memory that holds `key`."""
     return store.get_replica_desc(key)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint

@@ -14,6 +14,7 @@ scheduler thread (BENCHMARKS.md, "The writer process"); it runs isolated from th
 site-packages and loads that one module from the file the scheduler names.
 """
 
+import contextlib
 import fcntl
 import importlib.util
 import json
@@ -179,18 +180,90 @@ def append_line(path: str, line: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        size = os.fstat(fd).st_size
-        data = (line + "\n").encode("utf-8")
-        try:
-            if os.write(fd, data) != len(data):
-                raise OSError(f"short write to {path}")
-            os.fsync(fd)
-        except BaseException:
-            # A part of a line (a full disk) would join the next line appended.
-            os.ftruncate(fd, size)
-            raise
+        append_to(fd, path, line)
     finally:
         os.close(fd)
+
+
+def append_to(fd: int, path: str, line: str) -> None:
+    """Append one line to `path`, open as `fd` (appending) and locked."""
+    size = os.fstat(fd).st_size
+    data = (line + "\n").encode("utf-8")
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(f"short write to {path}")
+        os.fsync(fd)
+    except BaseException:
+        # A part of a line (a full disk) would join the next line appended.
+        os.ftruncate(fd, size)
+        raise
+
+
+class LockedLines:
+    """A JSON Lines file held under its lock (locked_lines)."""
+
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path = fd, path
+
+    def lines(self) -> List[dict]:
+        with open(self.path, "rb") as f:
+            return [parsed for parsed in map(json_line, f) if parsed is not None]
+
+    def append(self, line: str) -> None:
+        append_to(self.fd, self.path, line)
+
+
+@contextlib.contextmanager
+def locked_lines(path: str):
+    """The JSON Lines file `path` (created if missing) under an exclusive lock, which
+    append_line also takes, its torn last line cut first: a line a killed writer left half
+    written would otherwise join the next one."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        cut_torn_last_line(fd, path)
+        yield LockedLines(fd, path)
+    finally:
+        os.close(fd)
+
+
+def cut_torn_last_line(fd: int, path: str) -> None:
+    end = os.fstat(fd).st_size
+    if end == 0 or os.pread(fd, 1, end - 1) == b"\n":
+        return
+    start = end
+    while start > 0:
+        block_start = max(start - (1 << 16), 0)
+        newline = os.pread(fd, start - block_start, block_start).rfind(b"\n")
+        if newline >= 0:
+            start = block_start + newline + 1
+            break
+        start = block_start
+    tail = os.pread(fd, end - start, start)
+    if json_line(tail) is not None:
+        os.write(fd, b"\n")  # complete but for its newline
+    else:
+        print(f"hidden states dump: removing a torn last line of {path}: {tail[:200]!r}", file=sys.stderr)
+        os.ftruncate(fd, start)
+    os.fsync(fd)
+
+
+def json_line(raw: bytes) -> Optional[dict]:
+    """A JSON Lines line's object; None for a torn or foreign line."""
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def read_lines(path: str) -> List[dict]:
+    """The objects of a JSON Lines file, leaving out a torn line; none for a missing file."""
+    try:
+        with open(path, "rb") as f:
+            return [parsed for parsed in map(json_line, f) if parsed is not None]
+    except FileNotFoundError:
+        return []
 
 
 def remove_quietly(path: str) -> None:

@@ -52,6 +52,15 @@ def sample_id(writer_id: Optional[str], dp_rank: int, run_id: str, sequence: int
     return f"{writer_id or 'server'}-dp{dp_rank}-{run_id}-{sequence + 1:09d}"
 
 
+def run_of_sample(sample: str, writer_id: Optional[str], dp_rank: int) -> Optional[str]:
+    """The run of a sample id this writer (its id and data-parallel rank) made; None for
+    another writer's."""
+    prefix = f"{writer_id or 'server'}-dp{dp_rank}-"
+    run_and_sequence = sample[len(prefix):] if sample.startswith(prefix) else ""
+    run, _, sequence = run_and_sequence.rpartition("-")
+    return run if run and len(sequence) == 9 and sequence.isdigit() else None
+
+
 def loss_mask_values(runs: Optional[Sequence[int]], num_tokens: int) -> List[int]:
     """The loss mask a request gave, run-length encoded (zeros, ones, zeros, ...), expanded;
     every token without one. ValueError when it does not cover the prompt exactly."""
@@ -128,6 +137,14 @@ def specforge_ref(store_id: str, sample: str, objects: Dict[str, dict], num_toke
             "layer_ids": metadata.get("layer_ids"),
         },
     }
+
+
+def specforge_ref_of_line(store_id: str, line: dict, writer_id: Optional[str], run_id: str) -> dict:
+    """The SampleRef of a sample from its manifest line alone (SpecForge's layout): what the
+    writer publishes beside the line, and what a writer starting on the manifest publishes
+    again for a line whose ref a kill left out."""
+    return specforge_ref(store_id, line["sample_id"], line["objects"], line["num_tokens"],
+                         dict(line, run_id=run_id, writer=writer_id))
 
 
 def packed_handle(store_id: str, sample: str) -> str:

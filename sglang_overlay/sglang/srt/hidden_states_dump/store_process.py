@@ -8,7 +8,10 @@ are imported from this file's folder. Per sample, on a writer thread, the object
 the sample's turn its manifest line is appended and, in SpecForge's layout, its SampleRef
 to the control directory's channel. So a manifest line or a ref always names a complete
 sample, and a sample is never half-visible: an object is visible once its put returns, and
-a sample's objects are named only after every put has.
+a sample's objects are named only after every put has. The line and the ref are appended
+under the channel's lock; a writer killed between the two leaves a listed sample that no
+rerun dumps again and SpecForge's trainer would never see, so a writer starting on the
+manifest publishes the refs its lines lack (rebuilt from them) and cuts a torn last ref.
 
 Every object's checksum (files.checksum, of the bytes put) is in the sample's manifest line:
 in SpecForge's layout beside each object's key; in hs-connectors' the packed object's as the
@@ -227,11 +230,38 @@ class StoreWriterProcess(files.WriterProcess):
                 delay = min(2 * delay, STORE_FULL_LONGEST_WAIT_S)
 
     def publish(self, written) -> int:
+        """The manifest line and, in SpecForge's layout, the ref, both under the channel's
+        lock: a writer starting on the manifest (publish_missing_refs) never sees a live
+        writer's line without its ref."""
         line, ref, size = written
-        files.append_line(os.path.join(self.dump_dir, self.manifest_name), line)
-        if ref is not None:
-            files.append_line(os.path.join(self.dump_dir, store_layouts.REF_CHANNEL), ref)
+        manifest = os.path.join(self.dump_dir, self.manifest_name)
+        if ref is None:
+            files.append_line(manifest, line)
+            return size
+        with files.locked_lines(os.path.join(self.dump_dir, store_layouts.REF_CHANNEL)) as channel:
+            files.append_line(manifest, line)
+            channel.append(ref)
         return size
+
+    def publish_missing_refs(self) -> int:
+        """Publish the refs a writer killed between a sample's manifest line and its ref
+        left out (SpecForge's trainer, reading the channel, would never see those samples),
+        rebuilt from their lines; first cut a torn last line of the channel. Returns how
+        many were published."""
+        with files.locked_lines(os.path.join(self.dump_dir, store_layouts.REF_CHANNEL)) as channel:
+            published = {ref.get("sample_id") for ref in channel.lines()}
+            missing = []
+            for line in files.read_lines(os.path.join(self.dump_dir, self.manifest_name)):
+                if line.get("layout") != "specforge" or line.get("sample_id") in published:
+                    continue
+                run_id = store_layouts.run_of_sample(
+                    line["sample_id"], self.settings["writer_id"], self.settings["dp_rank"]
+                )
+                if run_id is not None:
+                    missing.append(self.ref_of(line, run_id))
+            for ref in missing:
+                channel.append(ref)
+        return len(missing)
 
     def not_written(self, sequence: int, error: Exception) -> None:
         if isinstance(error, StoreFull):
@@ -265,11 +295,11 @@ class StoreWriterProcess(files.WriterProcess):
         size = sum(sizes)
         extra = dict(encoding=entry.pop("encoding"), model_dtype=entry.pop("model_dtype", None))
         line = store_layouts.store_manifest_line(entry, self.layout, sample, size, objects=objects, **extra)
-        ref = store_layouts.specforge_ref(
-            self.store_id, sample, objects, len(loss_mask),
-            dict(entry, run_id=self.settings["run_id"], writer=self.settings["writer_id"]),
-        )
-        return line, json.dumps(ref, separators=(",", ":")), size
+        return line, self.ref_of(json.loads(line), self.settings["run_id"]), size
+
+    def ref_of(self, line: dict, run_id: str) -> str:
+        ref = store_layouts.specforge_ref_of_line(self.store_id, line, self.settings["writer_id"], run_id)
+        return json.dumps(ref, separators=(",", ":"))
 
     def put_packed(self, sample: str, rows, entry: dict, loss_mask: List[int]):
         """One packed object, by hs-connectors' own packed_layout and put_sample; a failure
@@ -364,6 +394,11 @@ def main(argv: List[str]) -> int:
         sock.sendall(files.pickle.dumps(("unusable", str(e))))
         return 1
     writer = StoreWriterProcess(sock, dump_dir, manifest_name, int(threads), settings, store, put_config)
+    if writer.layout == "specforge":
+        republished = writer.publish_missing_refs()
+        if republished:
+            print(f"hidden states dump: published {republished} refs a killed writer had left out of "
+                  f"{store_layouts.REF_CHANNEL}", file=sys.stderr, flush=True)
     writer.answer(("ready",))
     writer.run()
     return 0
