@@ -61,6 +61,7 @@ from scripts.dumps.regenerate import (
 )
 from scripts.dumps.samples import REJECTED_NAME, SAMPLES_NAME, AppendOnlyLines, read_lines, samples_line
 from scripts.dumps.server import Server, has_gpu, runtime_env
+from scripts.dumps.template_check import check_servers_render_as
 from scripts.online.stream import CLOSED_MARKER, acknowledged_count
 from scripts.dumps.samples import mask_runs
 from scripts.toolchain.errors import USAGE, ToolError
@@ -545,6 +546,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
                         help="with --sink mooncake (or servers that put into a store): stop feeding while the store "
                              "holds this many samples no trainer has acknowledged (default 256)")
     parser.add_argument("--server-timeout", type=float, default=1800.0, help="seconds the started server has to get ready")
+    parser.add_argument("--no-template-check", action="store_true",
+                        help="dump even where a server's chat endpoint renders a conversation into other token ids "
+                             "than this command does (scripts/dumps/template_check.py)")
     regenerate = parser.add_argument_group("--regenerate: the served model writes every assistant turn first "
                                            "(scripts/dumps/regenerate.py)")
     regenerate.add_argument("--regenerate", action="store_true",
@@ -615,6 +619,9 @@ def generate(args: argparse.Namespace) -> int:
         server_limit = min((info.get("max_req_input_len") for info in infos if info.get("max_req_input_len")), default=None)
         if server_limit and (max_tokens is None or server_limit < max_tokens):
             max_tokens, why = server_limit, "the longest prompt every server accepts"
+        if not args.no_template_check:
+            for line in check_servers_render_as([(e.client, info) for e, info in zip(endpoints, infos)], encoder):
+                print(line, file=sys.stderr)
         print(f"{dataset.path}: {dataset.num_records} records; loss mask: {encoder.method}; "
               f"longest prompt: {max_tokens} tokens", file=sys.stderr)
         started = time.monotonic()

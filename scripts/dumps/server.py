@@ -117,17 +117,19 @@ def die_with_parent() -> None:
 class Server:
     def __init__(self, model: Path, log_path: Path, env: Dict[str, str], extra_args: Sequence[str] = (),
                  launcher: Sequence[str] = (), defaults: Optional[Sequence[str]] = None,
-                 cwd: Optional[Path] = REPO_ROOT, tied_to_parent: bool = False):
+                 cwd: Optional[Path] = REPO_ROOT, tied_to_parent: bool = False, tokenizer: bool = False):
         """`launcher`: a command the server runs under (a profiler), which then leads its process group.
         `defaults`: the arguments before `extra_args` (default: the tests' sizes and device flags).
-        `cwd`: where it runs (None: here). `tied_to_parent`: it dies with the process that started it."""
+        `cwd`: where it runs (None: here). `tied_to_parent`: it dies with the process that started it.
+        `tokenizer`: it loads its tokenizer (its chat endpoint works); else it is sent token ids only."""
         self.port = free_port()
         self.log_path = log_path
         if defaults is None:
             defaults = [*SMALL_SIZES, *device_flags()]
         self.args = [
             *launcher, sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
-            "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port), *defaults, *extra_args,
+            *([] if tokenizer else ["--skip-tokenizer-init"]),
+            "--host", "127.0.0.1", "--port", str(self.port), *defaults, *extra_args,
         ]
         self.env = env
         self.cwd = cwd

@@ -7,7 +7,9 @@ with their loss masks over the model's answers; the samples lines say how they w
 rerun does nothing again; --truncated reject rejects what keep marks. Reasoning and tool calls:
 the model's answers scripted in Kimi-K2's format (a tiny random model writes none), split by the
 server's own parsers into the fields the template renders; a turn that calls other tools than
-the dataset's ends the conversation there; a parser the server lacks stops the run first."""
+the dataset's ends the conversation there; a parser the server lacks stops the run first. The
+server's chat endpoint renders a conversation as the command does, which the command checks
+before it sends anything; another template is refused (the negative control)."""
 
 import json
 import random
@@ -16,7 +18,7 @@ import time
 import pytest
 
 from scripts.dump_format import load_dump, read_manifest
-from scripts.dumps.chat import ChatEncoder, load_tokenizer
+from scripts.dumps.chat import PROBE, ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import Record, to_sample
 from scripts.dumps.generate import Client
 from scripts.dumps.regenerate import (
@@ -27,9 +29,10 @@ from scripts.dumps.regenerate import (
     Sampling,
     check_parsers,
 )
-from scripts.toolchain.errors import ToolError
 from scripts.dumps.samples import SAMPLES_NAME, mask_from_runs, read_lines
 from scripts.dumps.server import Server, runtime_env
+from scripts.dumps.template_check import check_servers_render_as
+from scripts.toolchain.errors import ToolError
 from tests.server.test_generate import DUMP_LAYERS, conversation, expected_mask, run_generate
 from tests.server.test_tool_turns import KIMI_LIKE_TEMPLATE, agent_record, split_by_mask
 
@@ -160,6 +163,7 @@ def test_truncated_answers_are_rejected_when_asked(served):
     assert {r["id"] for r in read_lines(out / REGENERATED_NAME)} == {r["id"] for r in served["records"]} - truncated
 
 
+PROBE_CHAT = PROBE[:3]
 KIMI_PARSERS = Parsers(reasoning="kimi_k2", tool_call="kimi_k2")
 
 
@@ -240,3 +244,30 @@ def test_a_parser_the_server_lacks_stops_the_run_first(served):
         check_parsers([client], Parsers(tool_call="no_such_parser"))
     with pytest.raises(ToolError, match="--reasoning-parser no_such_parser"):
         check_parsers([client], Parsers(reasoning="no_such_parser"))
+
+
+def test_the_servers_chat_rendering_is_checked_before_anything_is_sent(served, tmp_path):
+    url = served["server"].url
+    assert f"chat rendering at {url}: not checked (the server runs without its tokenizer" in served["first"].stderr
+    out = tmp_path / "dump"
+    env = runtime_env(SGLANG_HS_DUMP_DIR=str(out), SGLANG_HS_DUMP_LAYERS=DUMP_LAYERS)
+    with Server(served["model"], tmp_path / "server.log", env, tokenizer=True) as server:
+        server.wait_ready()
+        client = Client(server.url)
+        servers = [(client, client.server_info())]
+        (line,) = check_servers_render_as(servers, ChatEncoder(load_tokenizer(served["model"])))
+        assert line == f"chat rendering at {server.url}: a chat renders alike; tool calls not checked " \
+                       f"(this template does not render them: the chat template refused it: no role tool in this chat template)"
+        with pytest.raises(ToolError, match="renders a chat into other token ids than this command does"):
+            check_servers_render_as(servers, ChatEncoder(load_tokenizer(served["model"]), KIMI_LIKE_TEMPLATE))
+        template = tmp_path / "kimi-like.jinja"
+        template.write_text(KIMI_LIKE_TEMPLATE)
+        result = run_generate("--dataset", served["tmp"] / "chats.jsonl", "--out", out, "--server", server.url,
+                              "--model", served["model"], "--chat-template", template)
+        assert result.returncode != 0 and "renders a chat into other token ids" in result.stderr, result.stderr
+        assert not (out / SAMPLES_NAME).exists()
+        # The negative control of the probes, which ask not to be dumped: a request that does not ask.
+        ids = ChatEncoder(load_tokenizer(served["model"])).generation_prompt(PROBE_CHAT)
+        client.post("/generate", {"input_ids": ids, "rid": "control", "sampling_params": {"max_new_tokens": 1}})
+    # The server has drained its dump on the way out: the control is all it wrote.
+    assert [entry["rid"] for entry in read_manifest(out)] == ["control"]
