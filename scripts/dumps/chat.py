@@ -26,12 +26,11 @@ model's) takes only those: a conversation is then rejected, naming --chat-templa
 """
 
 import copy
-import json
 import re
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from scripts.dumps.conversations import Rejected
+from scripts.dumps.conversations import Rejected, tool_call_arguments
 from scripts.toolchain.errors import USAGE, ToolError
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -162,7 +161,5 @@ def template_messages(messages: List[dict]) -> List[dict]:
     messages = copy.deepcopy(messages)
     for message in messages:
         for call in message.get("tool_calls") or ():
-            arguments = call["function"].get("arguments")
-            if isinstance(arguments, str):
-                call["function"]["arguments"] = json.loads(arguments) if arguments.strip() else {}
+            call["function"]["arguments"] = tool_call_arguments(call["function"].get("arguments"))
     return messages

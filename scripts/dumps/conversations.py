@@ -220,20 +220,26 @@ def _tool_call(call, n: int, k: int) -> dict:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
         raise Rejected("unknown_shape", f"{where} is not {{\"function\": {{\"name\", \"arguments\"}}}}")
     arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as e:
-            raise Rejected("unknown_shape", f"{where}: its arguments are not JSON ({e})")
-        if not isinstance(parsed, dict):
-            raise Rejected("unknown_shape", f"{where}: its arguments are a JSON {type(parsed).__name__}, not an object")
-    elif not isinstance(arguments, dict):
-        raise Rejected("unknown_shape", f"{where}: its arguments are a {type(arguments).__name__}, not an object")
+    try:
+        parsed = tool_call_arguments(arguments)
+    except ValueError as e:
+        raise Rejected("unknown_shape", f"{where}: its arguments are not JSON ({e})")
+    if not isinstance(parsed, dict):
+        kind = "JSON " if isinstance(arguments, str) else ""
+        raise Rejected("unknown_shape", f"{where}: its arguments are a {kind}{type(parsed).__name__}, not an object")
     _check_text(json.dumps(call, ensure_ascii=False), where)
     checked = {"type": call.get("type", "function"), "function": {"name": function["name"], "arguments": arguments}}
     if call.get("id") is not None:
         checked = {"id": str(call["id"]), **checked}
     return checked
+
+
+def tool_call_arguments(arguments):
+    """A tool call's arguments as the object they stand for: OpenAI's JSON text parsed (empty
+    text: no arguments), an object as it is. ValueError for text that is not JSON."""
+    if isinstance(arguments, str):
+        return json.loads(arguments) if arguments.strip() else {}
+    return arguments
 
 
 def _tools(tools) -> Optional[List[dict]]:

@@ -45,7 +45,6 @@ unreachable) is in neither and is regenerated again.
 """
 
 import hashlib
-import json
 import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -55,7 +54,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from scripts.dump_format import DUMP_PARAM
 from scripts.dumps.chat import ChatEncoder
-from scripts.dumps.conversations import Rejected, Sample, read_samples
+from scripts.dumps.conversations import Rejected, Sample, read_samples, tool_call_arguments
 from scripts.dumps.progress import progress_bar
 from scripts.dumps.samples import AppendOnlyLines, read_lines
 from scripts.toolchain.errors import USAGE, ToolError
@@ -112,11 +111,10 @@ def calls_made(message: dict) -> list:
     made = []
     for call in message.get("tool_calls") or ():
         arguments = call["function"].get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError:
-                pass  # compared as written
+        try:
+            arguments = tool_call_arguments(arguments)
+        except ValueError:
+            pass  # compared as written
         made.append((call["function"]["name"], arguments))
     return made
 
@@ -250,11 +248,12 @@ class Regeneration:
             else:
                 text = self.encoder.decode(output_ids) if output_ids is not None else answer["text"]
                 regenerated = {"role": "assistant", "content": text}
-            if calls_made(regenerated) == calls_made(message) and message.get("tool_calls"):
+            same_calls = calls_made(regenerated) == calls_made(message)
+            if same_calls and message.get("tool_calls"):
                 for call, given in zip(regenerated["tool_calls"], message["tool_calls"]):
                     call["id"] = given.get("id", call["id"])  # the dataset's tool turns answer these ids
             messages.append(regenerated)
-            if calls_made(regenerated) != calls_made(message) and turn + 1 < len(sample.messages):
+            if not same_calls and turn + 1 < len(sample.messages):
                 cut_after_turn = turn
                 break
         record = {"id": sample.rid, "messages": messages}
