@@ -206,8 +206,7 @@ class LockedLines:
         self.fd, self.path = fd, path
 
     def lines(self) -> List[dict]:
-        with open(self.path, "rb") as f:
-            return [parsed for parsed in map(json_line, f) if parsed is not None]
+        return read_lines(self.path)
 
     def append(self, line: str) -> None:
         append_to(self.fd, self.path, line)
@@ -221,16 +220,22 @@ def locked_lines(path: str):
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        cut_torn_last_line(fd, path)
+        torn = cut_torn_last_line(fd)
+        if torn is not None:
+            print(f"hidden states dump: removing a torn last line of {path}: {torn[:200]!r}", file=sys.stderr)
         yield LockedLines(fd, path)
     finally:
         os.close(fd)
 
 
-def cut_torn_last_line(fd: int, path: str) -> None:
+def cut_torn_last_line(fd: int) -> Optional[bytes]:
+    """Cut a torn last line (a writer killed, or the machine lost, in the middle of
+    appending) of the JSON Lines file open as `fd` (appending, locked), so that the next line
+    starts on a line of its own; a last line complete but for its newline gets it. Returns
+    what was cut, if anything."""
     end = os.fstat(fd).st_size
     if end == 0 or os.pread(fd, 1, end - 1) == b"\n":
-        return
+        return None
     start = end
     while start > 0:
         block_start = max(start - (1 << 16), 0)
@@ -240,12 +245,13 @@ def cut_torn_last_line(fd: int, path: str) -> None:
             break
         start = block_start
     tail = os.pread(fd, end - start, start)
-    if json_line(tail) is not None:
-        os.write(fd, b"\n")  # complete but for its newline
-    else:
-        print(f"hidden states dump: removing a torn last line of {path}: {tail[:200]!r}", file=sys.stderr)
+    torn = json_line(tail) is None
+    if torn:
         os.ftruncate(fd, start)
+    else:
+        os.write(fd, b"\n")  # complete but for its newline
     os.fsync(fd)
+    return tail if torn else None
 
 
 def json_line(raw: bytes) -> Optional[dict]:

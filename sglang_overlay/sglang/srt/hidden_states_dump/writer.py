@@ -22,6 +22,7 @@ import torch
 
 from sglang.srt.hidden_states_dump.files import (
     InOrder,
+    cut_torn_last_line,
     publish_file,
     with_checksum,
     write_temp_file,
@@ -31,7 +32,6 @@ from sglang.srt.hidden_states_dump.format import (
     DumpCounters,
     DumpTimings,
     manifest_entry,
-    parse_manifest_line,
     safetensors_header,
     tensor_bytes,
 )
@@ -267,37 +267,16 @@ def repair_torn_manifest(path: str) -> None:
     appending) so that the next line starts on a line of its own. Its file stays, unlisted,
     as after a kill between the rename and the manifest line."""
     try:
-        f = open(path, "rb+")
+        fd = os.open(path, os.O_RDWR | os.O_APPEND)
     except FileNotFoundError:
         return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # waits for a line being appended (append_line)
-        end = f.seek(0, os.SEEK_END)
-        if end == 0:
-            return
-        f.seek(end - 1)
-        if f.read(1) == b"\n":
-            return
-        start = end
-        while start > 0:
-            block_start = max(start - (1 << 16), 0)
-            f.seek(block_start)
-            newline = f.read(start - block_start).rfind(b"\n")
-            if newline >= 0:
-                start = block_start + newline + 1
-                break
-            start = block_start
-        f.seek(start)
-        tail = f.read()
-        if parse_manifest_line(tail) is not None:
-            f.write(b"\n")  # complete but for its newline
-        else:
-            logger.warning(
-                f"hidden states dump: removing a torn last line of {path}: {tail[:200]!r}"
-            )
-            f.truncate(start)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits for a line being appended (append_line)
+        torn = cut_torn_last_line(fd)
+    finally:
+        os.close(fd)
+    if torn is not None:
+        logger.warning(f"hidden states dump: removing a torn last line of {path}: {torn[:200]!r}")
 
 
 def remove_stale_temp_files(dump_dir: str) -> None:
