@@ -13,8 +13,9 @@ path (Kimi-K2.5: `language_model.model`).
 
 The hooks of one forward fill one record (embed_tokens runs first, model.norm last), which
 the norm hook saves as `forward.<n>.pt`: {"input_ids", "positions", "0".."L", "last"}, one
-row per token of the forward. Decode-only forwards are not saved (no prompt rows), which
-keeps the files bounded by the prompt tokens served.
+row per token of the forward. Decode-only forwards are saved only when the hooks are asked
+to (`decode`: a test of dumped answers); otherwise the files stay bounded by the prompt
+tokens served.
 
 Readers place a request's rows by its token ids and positions alone, not by any field the
 patch adds: `residual_streams` for one prompt in one forward, `request_rows` for many
@@ -64,20 +65,20 @@ def record_output(config):
             value = output[0] if isinstance(output, tuple) else output
             record = dict(_record, last=_host(value))
             _record.clear()
-            if not record.pop("decode_only"):
+            if not record.pop("decode_only") or config.get("decode"):
                 torch.save(record, out_dir / f"forward.{next(_forwards):05d}.pt")
 
     return hook
 
 
-def hook_specs(out_dir: Path, num_layers: int, decoder: str = "model") -> List[dict]:
+def hook_specs(out_dir: Path, num_layers: int, decoder: str = "model", decode: bool = False) -> List[dict]:
     """The --forward-hooks entries for the decoder at module path `decoder`; target names
-    are exact (a pattern would match submodules)."""
+    are exact (a pattern would match submodules). `decode`: decode-only forwards are saved too."""
     targets = [("embed", f"{decoder}.embed_tokens", {"kind": "embed"}), ("norm", f"{decoder}.norm", {"kind": "norm"})]
     targets += [(f"layer{i}", f"{decoder}.layers.{i}", {"kind": "layer", "index": i}) for i in range(num_layers)]
     return [
         {"name": name, "target_modules": [module], "hook_factory": "tests.server.oracle_hooks:record_output",
-         "config": {"dir": str(out_dir), **config}}
+         "config": {"dir": str(out_dir), "decode": decode, **config}}
         for name, module, config in targets
     ]
 

@@ -28,6 +28,7 @@ from sglang.srt.hidden_states_dump.format import (
     read_manifest,
 )
 from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 HIDDEN_SIZE = 3
 NUM_LAYERS = 4
@@ -79,6 +80,7 @@ def run_forward(dumper: HiddenStatesDumper, batch: List[Extend]) -> None:
     does: aux hidden states in ascending layer order."""
     token_ids = [token for _, tokens, _ in batch for token in tokens]
     forward_batch = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND,
         hidden_states_dump_requests=[request for request, _, _ in batch],
         extend_prefix_lens_cpu=[prefix_len for _, _, prefix_len in batch],
         extend_seq_lens_cpu=[len(tokens) for _, tokens, _ in batch],
@@ -89,17 +91,23 @@ def run_forward(dumper: HiddenStatesDumper, batch: List[Extend]) -> None:
     dumper.capture(forward_batch, final_rows(token_ids), aux)
 
 
-def run_decode(dumper: HiddenStatesDumper, token_ids: Sequence[int]) -> None:
-    """A decode forward: the scheduler attaches no dump requests to it, and the model
-    captures no layers."""
+def run_decode(dumper: HiddenStatesDumper, token_ids: Sequence[int],
+               requests: Sequence[Optional[DumpRequest]] = (), positions: Sequence[int] = ()) -> None:
+    """A decode forward of one token a request, at `positions`: the scheduler attaches a dump
+    request only to the requests whose answer is dumped (`requests`, None for the others);
+    without one, the model captures no layers."""
     forward_batch = SimpleNamespace(
-        hidden_states_dump_requests=[],
+        forward_mode=ForwardMode.DECODE,
+        hidden_states_dump_requests=list(requests) if any(requests) else [],
+        seq_lens_cpu=torch.tensor(positions, dtype=torch.int64) + 1 if positions else None,
         extend_prefix_lens_cpu=None,
         extend_seq_lens_cpu=None,
         input_ids=torch.tensor(token_ids, dtype=torch.int32),
     )
-    assert layers_captured_in(forward_batch, dumper.layer_ids) == ()
-    dumper.capture(forward_batch, final_rows(token_ids), [])
+    captured = layers_captured_in(forward_batch, dumper.layer_ids)
+    assert bool(captured) == any(requests)
+    aux = [layer_rows(token_ids, layer_id) for layer_id in sorted(captured)]
+    dumper.capture(forward_batch, final_rows(token_ids), aux)
 
 
 def stats(dumper: HiddenStatesDumper) -> Dict[str, int]:

@@ -10,6 +10,7 @@ import torch
 from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
 from sglang.srt.hidden_states_dump.format import load_dump
 from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from tests.unit.dump_standins import (
     NUM_LAYERS,
     dump_config,
@@ -87,6 +88,7 @@ def test_the_packed_aux_form_dumps_like_the_list_form(dump_dir):
     dumper = start_dumper(dump_dir, layer_ids)
     tokens = prompt(100, 3)
     forward_batch = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND,
         hidden_states_dump_requests=[DumpRequest("packed", 3)],
         extend_prefix_lens_cpu=[0],
         extend_seq_lens_cpu=[3],
@@ -264,6 +266,7 @@ def test_the_forwards_tensors_refilled_after_capture_leave_the_dump_unchanged(du
     tokens = prompt(100, 5)
     for form in ("list", "packed"):
         forward_batch = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND,
             hidden_states_dump_requests=[DumpRequest(form, 5)],
             extend_prefix_lens_cpu=[0],
             extend_seq_lens_cpu=[5],

@@ -15,6 +15,7 @@ from sglang.srt.hidden_states_dump import copier, files, format
 from sglang.srt.hidden_states_dump.format import read_manifest
 from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
 from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.hidden_states_dump.writer import DumpWriter
 from tests.unit.dump_standins import (
     assert_dir_holds_exactly,
@@ -139,6 +140,7 @@ def test_rows_holding_nan_or_infinity_are_flagged_in_the_manifest_and_counted(tm
     bad, good = prompt(700, 6), prompt(800, 5)
     token_ids = bad + good
     forward_batch = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND,
         hidden_states_dump_requests=[DumpRequest("bad", len(bad)), DumpRequest("good", len(good))],
         extend_prefix_lens_cpu=[0, 0], extend_seq_lens_cpu=[len(bad), len(good)],
         input_ids=torch.tensor(token_ids, dtype=torch.int32))

@@ -1,13 +1,15 @@
 """Capture on the scheduler thread: the model hands each forward's states to
 HiddenStatesDumper.capture, which takes the dumped requests' rows off the device without
-blocking the forward, stitches chunked prefills, and submits whole prompts to the writer.
+blocking the forward, stitches chunked prefills, and submits whole prompts to the writer; a
+request whose answer is dumped too is submitted when it finishes, its prompt's rows followed
+by those of every decode step.
 """
 
 import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -31,7 +33,11 @@ from sglang.srt.hidden_states_dump.format import (
     quantized_file_rows_like,
 )
 from sglang.srt.hidden_states_dump.host_buffers import Chunk, HostBuffers
-from sglang.srt.hidden_states_dump.requests import DumpRequest, holds_dumped_request
+from sglang.srt.hidden_states_dump.requests import (
+    DumpRequest,
+    holds_dumped_request,
+    on_answer_finished,
+)
 from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
 from sglang.srt.hidden_states_dump.store_sink import StoreDumpWriter
 from sglang.srt.hidden_states_dump.startup_checks import (
@@ -140,9 +146,12 @@ class HiddenStatesDumper:
         self._aux_order = [sorted(self.layer_ids).index(i) for i in self.layer_ids]
         self.is_writer = is_writer
         self._partials: Dict[str, PartialPrompt] = {}
+        # Requests whose prompt is whole and whose answer is being decoded, by rid.
+        self._answers: Dict[str, PartialPrompt] = {}
         self.writer: Optional[DumpWriter] = None  # on the rank that writes
         if not is_writer:
             return
+        on_answer_finished(self.finish_answer)
         manifest = manifest_name(dp_rank, config.writer_id)
         remove_stale_temp_files(config.dump_dir)
         repair_torn_manifest(os.path.join(config.dump_dir, manifest))
@@ -172,6 +181,7 @@ class HiddenStatesDumper:
             f"hidden states dump on: dir={config.dump_dir} manifest={manifest} {sink_description(config)} "
             f"layers={self.layer_ids} (of L={metadata['num_layers']}) "
             f"requests={config.sample.description()} "
+            f"answers={'all' if config.answers else 'asked'} "
             f"encoding={metadata['encoding']} writer_threads={config.writer_threads} "
             f"writer_process={'on' if shared else 'off'} "
             f"host_memory_mb={self.host_buffers.reserve.numel() >> 20} "
@@ -237,11 +247,13 @@ class HiddenStatesDumper:
         aux_hidden_states: Optional[Sequence[torch.Tensor]],
     ) -> None:
         requests = forward_batch.hidden_states_dump_requests
-        if not requests or not self.is_writer:  # dumping off, or a decode step
+        if not requests or not self.is_writer:  # dumping off, or a decode step of no answer dumped
             return
         started = time.perf_counter()
-        spans, continuing = self._spans(forward_batch, requests)
-        self._discard_abandoned(continuing)
+        decode = forward_batch.forward_mode.is_decode()
+        spans, continuing = self._spans(forward_batch, requests, decode)
+        if not decode:
+            self._discard_abandoned(continuing)
         if not spans:
             return
         overflows = self.host_buffers.overflows
@@ -256,21 +268,31 @@ class HiddenStatesDumper:
         elapsed = time.perf_counter() - started
         self.writer.stats.add(seconds=dict(capture_ms=elapsed - blocked))
 
-    def _spans(self, forward_batch, requests):
-        """(request, prefix_len, first row, end row) of each dumped request's prompt rows in
-        this forward, and the rids the forward continues."""
+    def _spans(self, forward_batch, requests, decode: bool):
+        """(request, prefix_len, first row, end row) of each dumped request's rows in this
+        forward (its prompt's, or a decoded token's), and the rids whose prompt it continues."""
+        if decode:
+            # One row a request, the token at its last position.
+            prefix_lens = (forward_batch.seq_lens_cpu - 1).tolist()
+            extend_lens = [1] * len(requests)
+        else:
+            prefix_lens = forward_batch.extend_prefix_lens_cpu
+            extend_lens = forward_batch.extend_seq_lens_cpu
         spans, continuing = [], set()
         start = 0
-        for request, prefix_len, extend_len in zip(
-            requests,
-            forward_batch.extend_prefix_lens_cpu,
-            forward_batch.extend_seq_lens_cpu,
-        ):
-            if request is not None:
+        for request, prefix_len, extend_len in zip(requests, prefix_lens, extend_lens):
+            prompt_rows = 0
+            if request is not None and not request.decoding:
                 continuing.add(request.rid)
-                prompt_rows = min(extend_len, request.prompt_len - prefix_len)
-                if prompt_rows > 0:
+                prompt_rows = max(0, min(extend_len, request.prompt_len - prefix_len))
+                if prompt_rows:
                     spans.append((request, prefix_len, start, start + prompt_rows))
+            # Rows past the prompt are the answer's: also those of a request the batch was
+            # built for before its prompt's first token was known (the overlap scheduler's
+            # mixed batches).
+            if request is not None and request.answer and prompt_rows < extend_len:
+                decoding = request if request.decoding else replace(request, decoding=True)
+                spans.append((decoding, prefix_len + prompt_rows, start + prompt_rows, start + extend_len))
             start += extend_len
         return spans, continuing
 
@@ -363,8 +385,12 @@ class HiddenStatesDumper:
         return dumped_rows(forward_batch.input_ids, spans).to(torch.int64, copy=True)
 
     def _add_chunk(self, request: DumpRequest, prefix_len: int, chunk: Chunk) -> float:
-        """Add a chunk to its request and submit the request once its prompt is whole;
-        returns the seconds the submit waited for the queue."""
+        """Add a chunk to its request and submit the request once its prompt is whole (or,
+        when its answer is dumped too, keep it for its answer's rows); returns the seconds
+        the submit waited for the queue."""
+        if request.decoding:
+            self._add_answer_rows(request, prefix_len, chunk)
+            return 0.0
         partial = self._partials.pop(request.rid, None)
         if prefix_len == 0:
             partial = PartialPrompt(request)
@@ -378,10 +404,89 @@ class HiddenStatesDumper:
             return 0.0
         partial.chunks.append(chunk)
         partial.num_tokens += chunk.end - chunk.start
-        if partial.num_tokens >= request.prompt_len:
+        if partial.num_tokens >= request.prompt_len and request.answer:
+            self._answers[request.rid] = partial
+        elif partial.num_tokens >= request.prompt_len:
             return self.writer.submit(request, partial.chunks)
-        self._partials[request.rid] = partial
+        else:
+            self._partials[request.rid] = partial
         return 0.0
+
+    def _add_answer_rows(self, request: DumpRequest, prefix_len: int, chunk: Chunk) -> None:
+        partial = self._answers.get(request.rid)
+        if partial is None:  # its prompt was not captured whole, or it has finished
+            return
+        if prefix_len != partial.num_tokens:
+            del self._answers[request.rid]
+            logger.error(
+                f"hidden states dump: request {request.rid!r} has no hidden states for "
+                f"positions {partial.num_tokens}..{prefix_len} of its answer; nothing written"
+            )
+            self.writer.stats.add(errors=1)
+            return
+        partial.chunks.append(chunk)
+        partial.num_tokens += chunk.end - chunk.start
+
+    def finish_answer(self, req) -> None:
+        """Submit a finished request whose answer was dumped: its prompt's rows and its
+        answer's, one row for each token fed back (origin_input_ids + output_ids[:-1]; the
+        overlap scheduler's step past the finish is cut). A request that was aborted or
+        retracted, or whose rows are missing, writes nothing."""
+        partial = self._answers.pop(req.rid, None)
+        if partial is None:
+            return
+        token_ids = list(req.origin_input_ids) + list(req.output_ids[:-1])
+        finish = req.finished_reason.to_json() if req.finished_reason is not None else {}
+        why = None
+        if finish.get("type") == "abort":
+            why = "it was aborted"
+        elif req.retraction_count:
+            why = "it was retracted (its prefill again would place prompt rows among the answer's)"
+        elif partial.num_tokens < len(token_ids):
+            why = f"it has rows for {partial.num_tokens} of its {len(token_ids)} tokens"
+        if why is not None:
+            logger.info(f"hidden states dump: request {req.rid!r}: {why}; nothing written")
+            self.writer.stats.add(discarded=1)
+            return
+        chunks = cut_rows(partial.chunks, len(token_ids))
+        request = partial.request
+        answer_tokens = len(token_ids) - request.prompt_len
+        whole = DumpRequest(
+            request.rid,
+            len(token_ids),
+            with_answer_in_loss(request.loss_mask_runs, answer_tokens),
+            req,
+            request.asked,
+            answer=True,
+            token_ids=tuple(token_ids),
+            answer_tokens=answer_tokens,
+        )
+        self.writer.submit(whole, chunks)
+
+
+def cut_rows(chunks: List[Chunk], num_rows: int) -> List[Chunk]:
+    """The chunks cut to their first `num_rows` rows."""
+    kept, left = [], num_rows
+    for chunk in chunks:
+        if left <= 0:
+            break
+        rows = min(left, chunk.end - chunk.start)
+        kept.append(chunk if rows == chunk.end - chunk.start else Chunk(chunk.rows, chunk.start, chunk.start + rows))
+        left -= rows
+    return kept
+
+
+def with_answer_in_loss(runs: Optional[Sequence[int]], answer_tokens: int) -> Optional[Sequence[int]]:
+    """A prompt's loss mask runs (zeros, ones, ...; None: every token) with an answer of
+    `answer_tokens` tokens after it, all in the loss."""
+    if runs is None or not answer_tokens:
+        return runs
+    runs = list(runs) or [0]
+    if len(runs) % 2 == 0:  # it ends with a run of ones
+        runs[-1] += answer_tokens
+    else:
+        runs.append(answer_tokens)
+    return tuple(runs)
 
 
 def sink_description(config: DumpConfig) -> str:

@@ -97,6 +97,13 @@ def request_sample() -> RequestSample:
     return RequestSample(float(fraction), seed)
 
 
+@lru_cache(maxsize=1)
+def dump_answers() -> bool:
+    """Whether every dumped request's answer is dumped with its prompt (SGLANG_HS_DUMP_ANSWERS),
+    not only those whose custom_params ask for it."""
+    return envs.SGLANG_HS_DUMP_ANSWERS.get()
+
+
 @dataclass(frozen=True)
 class DumpConfig:
     dump_dir: str
@@ -114,6 +121,7 @@ class DumpConfig:
     store_id: str = "sglang-hs"  # with the mooncake sink: the namespace of its keys
     mooncake: Optional["MooncakeSettings"] = None  # with the mooncake sink
     sample: RequestSample = RequestSample()  # which requests that do not ask are dumped
+    answers: bool = False  # every dumped request's answer too, not only those that ask
 
     @classmethod
     def from_env(cls) -> Optional["DumpConfig"]:
@@ -174,6 +182,7 @@ class DumpConfig:
             store_id=store_id,
             mooncake=mooncake,
             sample=request_sample(),
+            answers=dump_answers(),
         )
 
     def layer_ids(self, num_layers: int) -> List[int]:

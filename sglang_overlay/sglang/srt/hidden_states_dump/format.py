@@ -52,6 +52,11 @@ META_INFO_KEY = "hidden_states_dump"
 # PRIVATE_PARAM true, a request that is never dumped, whatever else is set.
 DUMP_PARAM = "hidden_states_dump"
 PRIVATE_PARAM = "private"
+# The key of a dumped request's custom_params that asks for its answer too: one sample of the
+# prompt's rows and the rows of every token the server decodes after it (a server dumps every
+# dumped request's answer under SGLANG_HS_DUMP_ANSWERS). The manifest field counts those rows.
+ANSWER_PARAM = "hidden_states_dump_answer"
+ANSWER_TOKENS_FIELD = "answer_tokens"
 # The metadata key and manifest field of a server's request sample ({"fraction", "seed"}).
 REQUEST_SAMPLE_FIELD = "request_sample"
 # What a layer id means, in every file's metadata and every manifest line.
@@ -208,10 +213,12 @@ def manifest_entry(
     hidden_states: torch.Tensor,
     nonfinite_rows: int = 0,
     asked: bool = False,
+    answer_tokens: Optional[int] = None,
 ) -> dict:
     """The manifest line of one file (read back by read_manifest); the writer adds the
     checksum of the file's bytes as it writes them. A server that samples its requests
-    records its fraction and seed in every line, and whether the request asked."""
+    records its fraction and seed in every line, and whether the request asked; a sample
+    that holds its request's answer, how many of its rows are the answer's."""
     entry = {
         "rid": rid,
         "file": file,
@@ -225,6 +232,8 @@ def manifest_entry(
     }
     if REQUEST_SAMPLE_FIELD in metadata:
         entry.update({REQUEST_SAMPLE_FIELD: json.loads(metadata[REQUEST_SAMPLE_FIELD]), "asked": asked})
+    if answer_tokens is not None:
+        entry[ANSWER_TOKENS_FIELD] = answer_tokens
     return entry
 
 

@@ -2,15 +2,24 @@
 
 A client request is dumped when its custom_params ask for it (DUMP_PARAM true), never when
 they decline (DUMP_PARAM false, or PRIVATE_PARAM true, whatever else is set), and otherwise
-when the server's sample takes it (config.RequestSample: all requests by default). With
-dumping off every helper here returns after one cached bool check.
+when the server's sample takes it (config.RequestSample: all requests by default). A dumped
+request's answer is dumped with it when its custom_params ask (ANSWER_PARAM true) or the
+server dumps every answer (SGLANG_HS_DUMP_ANSWERS): its decode steps then carry it too, until
+it finishes. With dumping off every helper here returns after one cached bool check, and
+decode steps pay one more while no answer is being dumped.
 """
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
-from sglang.srt.hidden_states_dump.config import dump_enabled, request_sample
+from sglang.srt.hidden_states_dump.config import (
+    dump_answers,
+    dump_enabled,
+    request_sample,
+)
 from sglang.srt.hidden_states_dump.format import (
+    ANSWER_PARAM,
     DUMP_PARAM,
     LOSS_MASK_PARAM,
     META_INFO_KEY,
@@ -31,6 +40,23 @@ class DumpRequest:
     # The scheduler's Req, whose response reports where the sample is (None: nowhere)
     req: Any = field(default=None, compare=False, repr=False)
     asked: bool = False  # its custom_params asked for the dump (else the server's sample took it)
+    answer: bool = False  # its answer is dumped with its prompt, in one sample at its finish
+    decoding: bool = False  # the forward holds rows of its answer, not of its prompt
+    # A whole sample's token ids, which its rows must hold (the writer checks them)
+    token_ids: Optional[Tuple[int, ...]] = field(default=None, repr=False)
+    answer_tokens: Optional[int] = None  # how many of a whole sample's rows are its answer's
+
+
+# The requests whose answer is being dumped, on every rank alike: added with their prompt's
+# prefill, gone when they finish (finish_answers) or with the request.
+_answering: "weakref.WeakSet" = weakref.WeakSet()
+# Where a finished request whose answer was dumped goes: the dumper of this process.
+_on_answer_finished: Optional[Callable[[Any], None]] = None
+
+
+def on_answer_finished(callback: Optional[Callable[[Any], None]]) -> None:
+    global _on_answer_finished
+    _on_answer_finished = callback
 
 
 def wants_dump(req) -> bool:
@@ -66,6 +92,14 @@ def asks_for_dump(req) -> bool:
     return isinstance(custom_params, dict) and custom_params.get(DUMP_PARAM) is True
 
 
+def wants_answer(req) -> bool:
+    """Whether a dumped request's answer is dumped with its prompt."""
+    if dump_answers():
+        return True
+    custom_params = getattr(req.sampling_params, "custom_params", None)
+    return isinstance(custom_params, dict) and custom_params.get(ANSWER_PARAM) is True
+
+
 def may_match_cached_prefix(req) -> bool:
     """Whether the request may reuse a cached prefix: a dumped prompt may not, since a
     cached prefix has no hidden states (its whole prompt is prefilled, so files have no
@@ -74,18 +108,46 @@ def may_match_cached_prefix(req) -> bool:
 
 
 def requests_to_dump(reqs, is_extend: bool = True) -> Optional[List[Optional[DumpRequest]]]:
-    """Per request of an extend batch, what to dump (None: not dumped); none for a batch
-    that extends nothing (a decode step); None when dumping is off."""
+    """Per request of a batch, what to dump (None: not dumped): the prompts of an extend
+    batch, and the answers being dumped of any batch; an empty list for a decode step
+    without one; None when dumping is off."""
     if not dump_enabled():
         return None
     if not is_extend:
-        return []
-    return [
-        DumpRequest(req.rid, len(req.origin_input_ids), loss_mask_runs(req), req, asks_for_dump(req))
-        if wants_dump(req)
-        else None
-        for req in reqs
-    ]
+        if not _answering:
+            return []
+        return [answer_rows(req) if req in _answering else None for req in reqs]
+    return [prompt_rows(req) if wants_dump(req) else answer_rows(req) if req in _answering else None for req in reqs]
+
+
+def prompt_rows(req) -> DumpRequest:
+    answer = wants_answer(req)
+    if answer:
+        _answering.add(req)
+    return DumpRequest(
+        req.rid, len(req.origin_input_ids), loss_mask_runs(req), req, asks_for_dump(req), answer
+    )
+
+
+def answer_rows(req) -> Optional[DumpRequest]:
+    """A decoded token's rows of a request whose answer is dumped; none once it was
+    retracted (its prefill again would place prompt rows among the answer's)."""
+    if req.retraction_count:
+        return None
+    return DumpRequest(req.rid, len(req.origin_input_ids), req=req, answer=True, decoding=True)
+
+
+def finish_answers(reqs) -> None:
+    """Hand each finished request whose answer is being dumped to the dumper, which writes
+    its sample (or says why not); the scheduler calls this before it sends their outputs,
+    on every rank."""
+    if not _answering:
+        return
+    for req in reqs:
+        if req in _answering and req.finished():
+            _answering.discard(req)
+            if _on_answer_finished is not None:
+                _on_answer_finished(req)
 
 
 def loss_mask_runs(req) -> Optional[Tuple[int, ...]]:

@@ -45,6 +45,22 @@ PATCH_MARKERS = (
         feature_module="sglang.srt.model_executor.runner.prefill_cuda_graph_runner",
     ),
     PatchMarker(
+        "submit-dumped-answers-when-their-requests-finish",
+        (
+            "sglang.srt.managers.scheduler_components.output_streamer",
+            "sglang.srt.managers.scheduler_output_processor_mixin",
+        ),
+        "finish_answers",
+    ),
+    PatchMarker(
+        "decode-cuda-graph-runs-dumped-answers-eagerly",
+        (
+            "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+            "sglang.srt.model_executor.cuda_graph_runner",
+        ),
+        "holds_dumped_request",
+    ),
+    PatchMarker(
         "drain-the-dump-before-a-scheduler-process-goes",
         ("sglang.srt.utils.common",),
         "drain_before_kill",

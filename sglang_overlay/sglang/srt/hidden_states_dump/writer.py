@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -202,6 +202,8 @@ class DumpWriter:
             for name in job.chunks[0].rows.names()
         }
         num_tokens = sum(part.shape[0] for part in parts["token_ids"])
+        if job.request.token_ids is not None:
+            check_token_ids(parts["token_ids"], job.request.token_ids)
         header = safetensors_header(parts, num_tokens, dict(self.metadata, rid=job.request.rid))
         name = file_name(self.run_id, job.sequence)
         nonfinite_rows = sum(chunk.nonfinite_rows() for chunk in job.chunks)
@@ -213,7 +215,7 @@ class DumpWriter:
             self.stats.add(nonfinite=1)
         entry = manifest_entry(
             job.request.rid, name, num_tokens, self.metadata, parts["hidden_states"][0], nonfinite_rows,
-            job.request.asked,
+            job.request.asked, job.request.answer_tokens,
         )
         tensors = [part for tensors in parts.values() for part in tensors]
         return FileContents(name, header, parts, tensors, json.dumps(entry), num_tokens, copied - started)
@@ -250,6 +252,19 @@ class DumpWriter:
         finally:
             os.close(written.fd)
             self.queue.task_done()
+
+
+def check_token_ids(parts: List[torch.Tensor], token_ids: Sequence[int]) -> None:
+    """ValueError unless the rows' token ids, in order, are `token_ids` (a request's prompt and
+    answer): rows placed at other positions than the tokens fed back are not written."""
+    have = torch.cat(parts).tolist() if parts else []
+    if have == list(token_ids):
+        return
+    first = next((i for i, (a, b) in enumerate(zip(have, token_ids)) if a != b), min(len(have), len(token_ids)))
+    raise ValueError(
+        f"its rows hold {len(have)} token ids, its prompt and answer {len(token_ids)}; they "
+        f"first differ at position {first}"
+    )
 
 
 def new_run_id() -> str:

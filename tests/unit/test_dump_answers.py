@@ -1,0 +1,194 @@
+"""Dumped answers, driven as the model and the scheduler drive them: which requests of a
+batch carry their answer's rows (requests.requests_to_dump, finish_answers), and the dumper
+stitching a prompt's rows and its decode steps' rows into one sample at the request's finish,
+cutting the overlap scheduler's step past the finish, and writing nothing for a request that
+was aborted or retracted, whose rows have a gap, or whose rows hold other tokens."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.hidden_states_dump import requests as dump_requests
+from sglang.srt.hidden_states_dump.capture import with_answer_in_loss
+from sglang.srt.hidden_states_dump.format import ANSWER_PARAM, ANSWER_TOKENS_FIELD, META_INFO_KEY, PRIVATE_PARAM
+from sglang.srt.hidden_states_dump.requests import DumpRequest
+from tests.unit.dump_standins import (
+    assert_dumped,
+    prompt,
+    run_decode,
+    run_forward,
+    start_dumper,
+    wait_for_manifest,
+    wait_for_stats,
+)
+
+LAYERS = [0, 2, 4]
+
+
+def finished_req(rid, origin, output, finish="length", retractions=0):
+    """A scheduler Req as finish_answer reads it."""
+    return SimpleNamespace(
+        rid=rid, origin_input_ids=list(origin), output_ids=list(output), retraction_count=retractions,
+        finished_reason=SimpleNamespace(to_json=lambda: {"type": finish}), customized_info=None)
+
+
+def decode_answer(dumper, rid, prompt_len, tokens, first_position=None):
+    """Decode steps of one request whose answer is dumped, one token each."""
+    position = prompt_len if first_position is None else first_position
+    for offset, token in enumerate(tokens):
+        run_decode(dumper, [token], [DumpRequest(rid, prompt_len, answer=True, decoding=True)], [position + offset])
+
+
+def test_a_prompt_and_its_answer_are_one_sample_at_the_finish(dump_dir):
+    dumper = start_dumper(dump_dir, LAYERS)
+    a, b = prompt(100, 5), prompt(200, 3)
+    answer = [900, 901, 902, 903]
+    run_forward(dumper, [(DumpRequest("a", 5, answer=True), a, 0), (DumpRequest("b", 3), b, 0)])
+    wait_for_manifest(dump_dir, ["b"])  # a prompt-only sample is written at once
+    # Decode steps: `a`'s answer beside a request whose answer is not dumped, then the step
+    # the overlap scheduler runs past the finish (its last token fed back once more).
+    for offset, token in enumerate(answer):
+        run_decode(dumper, [token, 500 + offset], [DumpRequest("a", 5, answer=True, decoding=True), None],
+                   [5 + offset, 3 + offset])
+    req = finished_req("a", a, answer[:3] + [777])
+    dumper.finish_answer(req)
+    lines = {line["rid"]: line for line in wait_for_manifest(dump_dir, ["a", "b"])}
+
+    assert_dumped(dump_dir, lines["a"], a + answer[:2] + [902], LAYERS)
+    assert lines["a"][ANSWER_TOKENS_FIELD] == 3 and lines["a"]["num_tokens"] == 8
+    assert ANSWER_TOKENS_FIELD not in lines["b"]
+    [location] = req.customized_info[META_INFO_KEY]
+    assert location["file"] == lines["a"]["file"]
+
+
+def test_an_answer_of_one_token_is_its_prompt(dump_dir):
+    dumper = start_dumper(dump_dir, LAYERS)
+    a = prompt(100, 4)
+    run_forward(dumper, [(DumpRequest("a", 4, answer=True), a, 0)])
+    dumper.finish_answer(finished_req("a", a, [901]))
+    [line] = wait_for_manifest(dump_dir, ["a"])
+    assert_dumped(dump_dir, line, a, LAYERS)
+    assert line[ANSWER_TOKENS_FIELD] == 0
+
+
+def test_answer_rows_in_an_extend_batch_are_the_answers(dump_dir):
+    """A mixed batch built before the prompt's first token was known hands the request as a
+    prompt; its row past the prompt is the answer's first."""
+    dumper = start_dumper(dump_dir, LAYERS)
+    a, c = prompt(100, 4), prompt(300, 6)
+    run_forward(dumper, [(DumpRequest("a", 4, answer=True), a, 0), (DumpRequest("c", 6), c[:3], 0)])
+    run_forward(dumper, [(DumpRequest("a", 4, answer=True), [900], 4), (DumpRequest("c", 6), c[3:], 3)])
+    decode_answer(dumper, "a", 4, [901, 902], first_position=5)
+    dumper.finish_answer(finished_req("a", a, [900, 901, 902, 903]))
+    lines = {line["rid"]: line for line in wait_for_manifest(dump_dir, ["a", "c"])}
+    assert_dumped(dump_dir, lines["a"], a + [900, 901, 902], LAYERS)
+    assert_dumped(dump_dir, lines["c"], c, LAYERS)
+
+
+def test_decode_steps_leave_a_prompt_being_chunked_alone(dump_dir):
+    dumper = start_dumper(dump_dir, LAYERS)
+    a, c = prompt(100, 3), prompt(300, 6)
+    run_forward(dumper, [(DumpRequest("a", 3, answer=True), a, 0), (DumpRequest("c", 6), c[:2], 0)])
+    decode_answer(dumper, "a", 3, [900, 901])  # c is not in these forwards
+    run_forward(dumper, [(DumpRequest("c", 6), c[2:], 2)])
+    dumper.finish_answer(finished_req("a", a, [900, 901, 902]))
+    lines = {line["rid"]: line for line in wait_for_manifest(dump_dir, ["a", "c"])}
+    assert_dumped(dump_dir, lines["c"], c, LAYERS)
+    assert_dumped(dump_dir, lines["a"], a + [900, 901], LAYERS)
+    assert wait_for_stats(dumper, lambda s: s["files"] == 2)["discarded"] == 0
+
+
+@pytest.mark.parametrize("case", ["aborted", "retracted", "rows missing", "gap", "other tokens"])
+def test_an_answer_that_cannot_be_whole_writes_nothing(dump_dir, case):
+    dumper = start_dumper(dump_dir, LAYERS)
+    a = prompt(100, 4)
+    run_forward(dumper, [(DumpRequest("a", 4, answer=True), a, 0)])
+    answer = [900, 901, 902, 903]
+    if case == "gap":
+        decode_answer(dumper, "a", 4, [900])
+        decode_answer(dumper, "a", 4, [902, 903], first_position=6)
+    elif case == "rows missing":
+        decode_answer(dumper, "a", 4, answer[:2])
+    else:
+        decode_answer(dumper, "a", 4, answer[:3])
+    output = {"other tokens": [900, 555, 902, 903]}.get(case, answer)
+    dumper.finish_answer(finished_req("a", a, output, finish="abort" if case == "aborted" else "length",
+                                      retractions=1 if case == "retracted" else 0))
+    # Negative control on the same dumper: the next request's answer is written.
+    b = prompt(200, 2)
+    run_forward(dumper, [(DumpRequest("b", 2, answer=True), b, 0)])
+    decode_answer(dumper, "b", 2, [950])
+    dumper.finish_answer(finished_req("b", b, [950, 951]))
+    [line] = wait_for_manifest(dump_dir, ["b"])
+    assert_dumped(dump_dir, line, b + [950], LAYERS)
+    expected = {"gap": "errors", "other tokens": "errors"}.get(case, "discarded")
+    counters = wait_for_stats(dumper, lambda s: s["files"] == 1 and s[expected] == 1)
+    assert counters["errors"] + counters["discarded"] == 1, counters
+
+
+def test_with_answer_in_loss():
+    assert with_answer_in_loss(None, 5) is None
+    assert with_answer_in_loss((2, 3), 4) == (2, 7)  # ends with ones: they go on
+    assert with_answer_in_loss((2, 3, 1), 4) == (2, 3, 1, 4)  # ends with zeros
+    assert with_answer_in_loss((0, 3), 0) == (0, 3)
+
+
+class SchedulerReq:
+    """A scheduler Req as the batch's hooks read it (weakly referenced, as a Req is)."""
+
+    def __init__(self, rid, custom_params=None):
+        self.rid, self.origin_input_ids, self.output_ids = rid, [5, 6, 7], []
+        self.to_finish, self.retraction_count, self.done = None, 0, False
+        self.sampling_params = SimpleNamespace(custom_params=custom_params)
+
+    def finished(self):
+        return self.done
+
+
+def scheduler_req(rid, custom_params=None):
+    return SchedulerReq(rid, custom_params)
+
+
+def test_which_requests_carry_their_answers(monkeypatch):
+    monkeypatch.setattr(dump_requests, "dump_enabled", lambda: True)
+    monkeypatch.setattr(dump_requests, "dump_answers", lambda: False)
+    finished = []
+    dump_requests.on_answer_finished(finished.append)
+    asks = scheduler_req("asks", {ANSWER_PARAM: True})
+    plain = scheduler_req("plain")
+    private = scheduler_req("private", {ANSWER_PARAM: True, PRIVATE_PARAM: True})
+    try:
+        assert dump_requests.requests_to_dump([plain], is_extend=False) == []  # no answer dumped: nothing
+        prefill = dump_requests.requests_to_dump([asks, plain, private])
+        assert [(r.rid, r.answer, r.decoding) for r in prefill if r] == [("asks", True, False), ("plain", False, False)]
+        assert prefill[2] is None
+        for req in (asks, plain, private):
+            req.output_ids.append(900)
+        decode = dump_requests.requests_to_dump([plain, asks, private], is_extend=False)
+        assert decode[0] is None and decode[2] is None and (decode[1].rid, decode[1].decoding) == ("asks", True)
+        # In an extend batch (mixed with a prefill), the same.
+        assert [r and r.rid for r in dump_requests.requests_to_dump([plain, asks])] == [None, "asks"]
+        asks.retraction_count = 1  # once retracted, its steps carry nothing
+        assert dump_requests.requests_to_dump([asks], is_extend=False) == [None]
+        asks.retraction_count = 0
+        dump_requests.finish_answers([plain, asks])
+        assert finished == []  # not finished yet
+        asks.done = True
+        dump_requests.finish_answers([plain, asks])
+        dump_requests.finish_answers([asks])
+        assert finished == [asks]  # handed over once
+        assert dump_requests.requests_to_dump([asks], is_extend=False) == []
+    finally:
+        dump_requests.on_answer_finished(None)
+        dump_requests._answering.clear()
+
+
+def test_the_server_setting_dumps_every_dumped_requests_answer(monkeypatch):
+    monkeypatch.setattr(dump_requests, "dump_enabled", lambda: True)
+    monkeypatch.setattr(dump_requests, "dump_answers", lambda: True)
+    try:
+        plain, declines = scheduler_req("plain"), scheduler_req("declines", {"hidden_states_dump": False})
+        prefill = dump_requests.requests_to_dump([plain, declines])
+        assert prefill[0].answer and prefill[1] is None
+    finally:
+        dump_requests._answering.clear()
