@@ -55,7 +55,7 @@ from sglang.version import __version__
 logger = logging.getLogger(__name__)
 
 # The dump's own revision within the series, bumped when what it writes or refuses changes.
-SERIES_REVISION = 8
+SERIES_REVISION = 9
 SERIES_VERSION = f"{__version__}-{SERIES_REVISION}"
 
 
