@@ -192,3 +192,35 @@ def test_the_server_setting_dumps_every_dumped_requests_answer(monkeypatch):
         assert prefill[0].answer and prefill[1] is None
     finally:
         dump_requests._answering.clear()
+
+
+def test_a_replayed_decode_graph_serves_the_answers_from_its_rows(dump_dir):
+    """A decode graph leaves its rows in the dump's GraphRows (the graph's copy, recorded once
+    at capture, replayed every step: here the copy itself stands for a replay) and
+    dump_replayed_decode takes the dumped answers' rows from there, by their batch position."""
+    import torch
+
+    from sglang.srt.hidden_states_dump import capture as dump_capture
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from tests.unit.dump_standins import final_rows, layer_rows
+
+    dumper = start_dumper(dump_dir, LAYERS)
+    a = prompt(100, 3)
+    run_forward(dumper, [(DumpRequest("a", 3, answer=True), a, 0)])
+    graph_bs = 4  # the graph's padded batch: two real requests, `a` second
+
+    def replay(tokens):
+        """What a replay of the graph for these tokens leaves in the dump's buffers."""
+        padded = tokens + [0] * (graph_bs - len(tokens))
+        dumper.graph_rows.record(final_rows(padded), [layer_rows(padded, i) for i in sorted(LAYERS)])
+        forward_batch = SimpleNamespace(
+            forward_mode=ForwardMode.DECODE, batch_size=len(tokens),
+            hidden_states_dump_requests=[None, DumpRequest("a", 3, answer=True, decoding=True)],
+            seq_lens_cpu=torch.tensor([50, len(a) + 1 + step]), input_ids=torch.tensor(tokens))
+        dump_capture.dump_replayed_decode(forward_batch)
+
+    for step, token in enumerate([900, 901]):
+        replay([700 + step, token])
+    dumper.finish_answer(finished_req("a", a, [900, 901, 902]))
+    [line] = wait_for_manifest(dump_dir, ["a"])
+    assert_dumped(dump_dir, line, a + [900, 901], LAYERS)

@@ -110,6 +110,70 @@ def forward_rows_bytes(
     return num_tokens * (8 + (num_layers + 1) * hidden_size * itemsize + scales)
 
 
+class GraphRows:
+    """Where a decode CUDA graph leaves the captured layers' rows and the final state: captured
+    with a copy of them into these buffers, every replay refills their first rows, which the
+    dump reads right after the replay (dump_replayed_decode). The buffers are taken when the
+    first decode graph, the largest (SGLang captures them largest first), is captured, from
+    its memory pool, and held for the server's life: (K + 1) x H values a row."""
+
+    def __init__(self):
+        self.hidden_states: Optional[torch.Tensor] = None
+        self.aux_hidden_states = None  # as the model hands them: a packed tensor or a list
+
+    def record(self, hidden_states: torch.Tensor, aux_hidden_states) -> None:
+        rows = hidden_states.shape[0]
+        packed = isinstance(aux_hidden_states, torch.Tensor)
+        if self.hidden_states is None:
+            self.hidden_states = torch.empty_like(hidden_states)
+            self.aux_hidden_states = (
+                torch.empty_like(aux_hidden_states) if packed else [torch.empty_like(a) for a in aux_hidden_states]
+            )
+        if rows > self.hidden_states.shape[0]:
+            raise RuntimeError(
+                f"hidden states dump: a decode CUDA graph of {rows} rows was captured after one of "
+                f"{self.hidden_states.shape[0]}; the dump takes its buffers from the first, the largest"
+            )
+        self.hidden_states[:rows].copy_(hidden_states)
+        if packed:
+            self.aux_hidden_states[:rows].copy_(aux_hidden_states)
+        else:
+            for buffer, states in zip(self.aux_hidden_states, aux_hidden_states):
+                buffer[:rows].copy_(states)
+
+    def rows(self, num_rows: int):
+        """The first `num_rows` rows a replay left: (final states, aux states as captured)."""
+        aux = self.aux_hidden_states
+        aux = aux[:num_rows] if isinstance(aux, torch.Tensor) else [a[:num_rows] for a in aux]
+        return self.hidden_states[:num_rows], aux
+
+
+def capturing_decode_graph(forward_batch, hidden_states: torch.Tensor) -> bool:
+    return (
+        hidden_states.is_cuda
+        and torch.cuda.is_current_stream_capturing()
+        and forward_batch.forward_mode.is_decode()
+    )
+
+
+# The dumper of this process that writes (None: none), which a replayed decode graph serves.
+_replaying_dumper: Optional["HiddenStatesDumper"] = None
+
+
+def dump_replayed_decode(forward_batch) -> None:
+    """Called by the decode CUDA graph runner right after it replays a graph for
+    `forward_batch`: the rows of the answers it dumps, from where the graph left them. A
+    replay runs no Python in the model, so without this those steps would have to run
+    eagerly. Costs one check while no answer is dumped."""
+    dumper = _replaying_dumper
+    if dumper is None or not holds_dumped_request(forward_batch.hidden_states_dump_requests):
+        return
+    if dumper.graph_rows.hidden_states is None:
+        raise RuntimeError("hidden states dump: a decode CUDA graph replayed that left no rows for the dump")
+    hidden_states, aux_hidden_states = dumper.graph_rows.rows(forward_batch.batch_size)
+    dumper.capture(forward_batch, hidden_states, aux_hidden_states, replayed=True)
+
+
 def layers_captured_in(forward_batch, layers_to_capture):
     """The layers a forward captures. A batch of a server that dumps (the dump is then the
     only capturer: it refuses speculative decoding) captures them only where it dumps a
@@ -146,12 +210,15 @@ class HiddenStatesDumper:
         self._aux_order = [sorted(self.layer_ids).index(i) for i in self.layer_ids]
         self.is_writer = is_writer
         self._partials: Dict[str, PartialPrompt] = {}
+        self.graph_rows = GraphRows()  # where decode CUDA graphs leave their rows
         # Requests whose prompt is whole and whose answer is being decoded, by rid.
         self._answers: Dict[str, PartialPrompt] = {}
         self.writer: Optional[DumpWriter] = None  # on the rank that writes
         if not is_writer:
             return
         on_answer_finished(self.finish_answer)
+        global _replaying_dumper
+        _replaying_dumper = self
         manifest = manifest_name(dp_rank, config.writer_id)
         remove_stale_temp_files(config.dump_dir)
         repair_torn_manifest(os.path.join(config.dump_dir, manifest))
@@ -245,9 +312,18 @@ class HiddenStatesDumper:
         forward_batch,
         hidden_states: torch.Tensor,
         aux_hidden_states: Optional[Sequence[torch.Tensor]],
+        replayed: bool = False,
     ) -> None:
+        """Take the dumped requests' rows of one forward; `replayed`: the states are the
+        rows a decode CUDA graph left in `graph_rows` (dump_replayed_decode)."""
+        if not self.is_writer:
+            return
+        if not replayed and capturing_decode_graph(forward_batch, hidden_states):
+            # A decode graph being captured: it copies its rows where a replay leaves them.
+            self.graph_rows.record(hidden_states, aux_hidden_states)
+            return
         requests = forward_batch.hidden_states_dump_requests
-        if not requests or not self.is_writer:  # dumping off, or a decode step of no answer dumped
+        if not requests:  # dumping off, or a decode step of no answer dumped
             return
         started = time.perf_counter()
         decode = forward_batch.forward_mode.is_decode()
@@ -257,7 +333,7 @@ class HiddenStatesDumper:
         if not spans:
             return
         overflows = self.host_buffers.overflows
-        rows = self._copy_to_host(forward_batch, hidden_states, aux_hidden_states, spans)
+        rows = self._copy_to_host(forward_batch, hidden_states, aux_hidden_states, spans, replayed)
         if self.host_buffers.overflows != overflows:
             self.writer.stats.add(host_overflows=1)
         offset, blocked = 0, 0.0
@@ -309,12 +385,12 @@ class HiddenStatesDumper:
             )
             self.writer.stats.add(discarded=1)
 
-    def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans):
+    def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans, replayed=False):
         """The forward's rows in host rows that the copier fills behind the forward (in fp8
         it quantizes them first, off the scheduler thread)."""
         if self._copier is None:
             self._copier = RowsCopier(hidden_states.device)
-        device_rows, gathered = self._gather(forward_batch, hidden_states, aux_hidden_states, spans)
+        device_rows, gathered = self._gather(forward_batch, hidden_states, aux_hidden_states, spans, replayed)
         fp8 = self.config.dtype == "fp8"
         layout = quantized_file_rows_like(device_rows) if fp8 else device_rows
         host_rows = self.host_buffers.rows(layout, ready=Landing())
@@ -322,12 +398,19 @@ class HiddenStatesDumper:
         self._copier.submit(device_rows, targets, gathered, host_rows.ready, fp8)
         return host_rows
 
-    def _gather(self, forward_batch, hidden_states, aux_hidden_states, spans):
+    def _gather(self, forward_batch, hidden_states, aux_hidden_states, spans, replayed=False):
         """The forward's rows (`_rows`) and, on a CUDA device, the event they are complete
-        under: gathered there on a stream of their own, so the forward does not wait."""
+        under: gathered there on a stream of their own, so the forward does not wait; the
+        rows of a replayed graph on the forward's own stream, before the next replay refills
+        the buffers they are taken from."""
         if hidden_states.device.type != "cuda":
             rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
             return with_finite_rows(rows), None
+        if replayed:
+            rows = with_finite_rows(self._rows(forward_batch, hidden_states, aux_hidden_states, spans))
+            gathered = torch.cuda.Event()
+            gathered.record()
+            return rows, gathered
         # Taken on the forward's stream, before the next forward can refill their buffer.
         token_ids = self._token_ids(forward_batch, spans)
         stream = self._gather_stream_after(hidden_states, aux_hidden_states)

@@ -53,12 +53,12 @@ PATCH_MARKERS = (
         "finish_answers",
     ),
     PatchMarker(
-        "decode-cuda-graph-runs-dumped-answers-eagerly",
+        "decode-cuda-graph-replays-serve-dumped-answers",
         (
             "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
             "sglang.srt.model_executor.cuda_graph_runner",
         ),
-        "holds_dumped_request",
+        "dump_replayed_decode",
     ),
     PatchMarker(
         "drain-the-dump-before-a-scheduler-process-goes",
