@@ -194,16 +194,22 @@ def test_the_server_setting_dumps_every_dumped_requests_answer(monkeypatch):
         dump_requests._answering.clear()
 
 
-def test_a_replayed_decode_graph_serves_the_answers_from_its_rows(dump_dir):
-    """A decode graph leaves its rows in the dump's GraphRows (the graph's copy, recorded once
-    at capture, replayed every step: here the copy itself stands for a replay) and
-    dump_replayed_decode takes the dumped answers' rows from there, by their batch position."""
+@pytest.mark.parametrize("graphs_serve", [True, False])
+def test_a_replayed_decode_graph_serves_the_answers_from_its_rows(dump_dir, monkeypatch, graphs_serve):
+    """With SGLANG_HS_DUMP_ANSWER_GRAPHS, a decode graph leaves its rows in the dump's GraphRows
+    (the graph's copy, recorded once at capture, replayed every step: here the copy itself
+    stands for a replay) and dump_replayed_decode takes the dumped answers' rows from there, by
+    their batch position. Without it (the default: such steps run eagerly) a replay's rows
+    are not taken, and the answer, missing them, writes nothing."""
     import torch
 
     from sglang.srt.hidden_states_dump import capture as dump_capture
+    from sglang.srt.hidden_states_dump import requests as dump_requests
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from tests.unit.dump_standins import final_rows, layer_rows
 
+    monkeypatch.setattr(dump_capture, "answer_graphs", lambda: graphs_serve)
+    monkeypatch.setattr(dump_requests, "answer_graphs", lambda: graphs_serve)
     dumper = start_dumper(dump_dir, LAYERS)
     a = prompt(100, 3)
     run_forward(dumper, [(DumpRequest("a", 3, answer=True), a, 0)])
@@ -221,6 +227,12 @@ def test_a_replayed_decode_graph_serves_the_answers_from_its_rows(dump_dir):
 
     for step, token in enumerate([900, 901]):
         replay([700 + step, token])
+    # The graph replays only where it serves the dump: otherwise the step runs eagerly.
+    assert dump_requests.decode_graph_misses_dump([None, DumpRequest("a", 3, answer=True, decoding=True)]) \
+        == (not graphs_serve)
     dumper.finish_answer(finished_req("a", a, [900, 901, 902]))
-    [line] = wait_for_manifest(dump_dir, ["a"])
-    assert_dumped(dump_dir, line, a + [900, 901], LAYERS)
+    if graphs_serve:
+        [line] = wait_for_manifest(dump_dir, ["a"])
+        assert_dumped(dump_dir, line, a + [900, 901], LAYERS)
+    else:
+        assert wait_for_stats(dumper, lambda s: s["discarded"] == 1)["files"] == 0

@@ -17,6 +17,7 @@ import torch
 from sglang.srt.hidden_states_dump import lifecycle
 from sglang.srt.hidden_states_dump.config import (
     DumpConfig,
+    answer_graphs,
     check_dump_dir,
     data_parallel_rank,
 )
@@ -162,11 +163,14 @@ _replaying_dumper: Optional["HiddenStatesDumper"] = None
 
 def dump_replayed_decode(forward_batch) -> None:
     """Called by the decode CUDA graph runner right after it replays a graph for
-    `forward_batch`: the rows of the answers it dumps, from where the graph left them. A
-    replay runs no Python in the model, so without this those steps would have to run
-    eagerly. Costs one check while no answer is dumped."""
+    `forward_batch`: where graphs serve the dumped answers (SGLANG_HS_DUMP_ANSWER_GRAPHS), the
+    rows of the answers it dumps, from where the graph left them. A replay runs no Python in
+    the model; without this, a step that carries a dumped answer runs eagerly
+    (requests.decode_graph_misses_dump). Costs one check while no answer is dumped."""
     dumper = _replaying_dumper
     if dumper is None or not holds_dumped_request(forward_batch.hidden_states_dump_requests):
+        return
+    if not answer_graphs():
         return
     if dumper.graph_rows.hidden_states is None:
         raise RuntimeError("hidden states dump: a decode CUDA graph replayed that left no rows for the dump")
@@ -248,7 +252,8 @@ class HiddenStatesDumper:
             f"hidden states dump on: dir={config.dump_dir} manifest={manifest} {sink_description(config)} "
             f"layers={self.layer_ids} (of L={metadata['num_layers']}) "
             f"requests={config.sample.description()} "
-            f"answers={'all' if config.answers else 'asked'} "
+            f"answers={'all' if config.answers else 'asked'}"
+            f"{' (decode graphs serve them)' if config.answer_graphs else ''} "
             f"encoding={metadata['encoding']} writer_threads={config.writer_threads} "
             f"writer_process={'on' if shared else 'off'} "
             f"host_memory_mb={self.host_buffers.reserve.numel() >> 20} "
@@ -319,8 +324,10 @@ class HiddenStatesDumper:
         if not self.is_writer:
             return
         if not replayed and capturing_decode_graph(forward_batch, hidden_states):
-            # A decode graph being captured: it copies its rows where a replay leaves them.
-            self.graph_rows.record(hidden_states, aux_hidden_states)
+            # A decode graph being captured: where graphs serve the dumped answers, it
+            # copies its rows where a replay leaves them.
+            if answer_graphs():
+                self.graph_rows.record(hidden_states, aux_hidden_states)
             return
         requests = forward_batch.hidden_states_dump_requests
         if not requests:  # dumping off, or a decode step of no answer dumped

@@ -104,6 +104,14 @@ def dump_answers() -> bool:
     return envs.SGLANG_HS_DUMP_ANSWERS.get()
 
 
+@lru_cache(maxsize=1)
+def answer_graphs() -> bool:
+    """Whether decode CUDA graphs serve the dumped answers (SGLANG_HS_DUMP_ANSWER_GRAPHS: each
+    graph copies its rows where the dump takes them after a replay), rather than the decode
+    steps that carry one running eagerly."""
+    return envs.SGLANG_HS_DUMP_ANSWER_GRAPHS.get()
+
+
 @dataclass(frozen=True)
 class DumpConfig:
     dump_dir: str
@@ -122,6 +130,7 @@ class DumpConfig:
     mooncake: Optional["MooncakeSettings"] = None  # with the mooncake sink
     sample: RequestSample = RequestSample()  # which requests that do not ask are dumped
     answers: bool = False  # every dumped request's answer too, not only those that ask
+    answer_graphs: bool = False  # decode CUDA graphs serve the dumped answers
 
     @classmethod
     def from_env(cls) -> Optional["DumpConfig"]:
@@ -183,6 +192,7 @@ class DumpConfig:
             mooncake=mooncake,
             sample=request_sample(),
             answers=dump_answers(),
+            answer_graphs=answer_graphs(),
         )
 
     def layer_ids(self, num_layers: int) -> List[int]:

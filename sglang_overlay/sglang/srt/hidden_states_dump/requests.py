@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
 
 from sglang.srt.hidden_states_dump.config import (
+    answer_graphs,
     dump_answers,
     dump_enabled,
     request_sample,
@@ -167,6 +168,13 @@ def report_location(req, location: dict) -> None:
     if req.customized_info is None:
         req.customized_info = {}
     req.customized_info[META_INFO_KEY] = [location]
+
+
+def decode_graph_misses_dump(requests: Optional[List[Optional[DumpRequest]]]) -> bool:
+    """Whether a replayed decode CUDA graph would miss rows a decode step with `requests`
+    dumps: it carries a dumped answer, and graphs do not serve them (SGLANG_HS_DUMP_ANSWER_GRAPHS
+    unset), so the step runs eagerly, on every DP rank alike."""
+    return holds_dumped_request(requests) and not answer_graphs()
 
 
 def holds_dumped_request(requests: Optional[List[Optional[DumpRequest]]]) -> bool:

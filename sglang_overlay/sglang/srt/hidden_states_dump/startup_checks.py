@@ -53,12 +53,20 @@ PATCH_MARKERS = (
         "finish_answers",
     ),
     PatchMarker(
-        "decode-cuda-graph-replays-serve-dumped-answers",
+        "decode-cuda-graph-steps-with-dumped-answers",
         (
             "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
             "sglang.srt.model_executor.cuda_graph_runner",
         ),
         "dump_replayed_decode",
+    ),
+    PatchMarker(
+        "decode-cuda-graph-steps-with-dumped-answers",
+        (
+            "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+            "sglang.srt.model_executor.cuda_graph_runner",
+        ),
+        "decode_graph_misses_dump",
     ),
     PatchMarker(
         "drain-the-dump-before-a-scheduler-process-goes",
