@@ -3,7 +3,9 @@ only the requests that ask are dumped), the same prompts every round, rounds alt
 
 - one pass: each prompt generates its answer with its custom_params asking for the dump and
   for its answer (hidden_states_dump_answer): one sample of the prompt and the answer's tokens
-  fed back, whose decode steps run eagerly where decode CUDA graphs would replay;
+  fed back, whose decode steps run eagerly where decode CUDA graphs would replay (with
+  `--contenders graphs`, the server runs with SGLANG_HS_DUMP_ANSWER_GRAPHS=1: the graphs
+  replay and serve the dump);
 - two passes: each prompt generates its answer undumped, then the prompt and the answer but
   its last token are prefilled with the dump on (what dumping a conversation the target wrote
   costs without the one-pass capture).
@@ -98,11 +100,15 @@ def suite_answers(run) -> dict:
         ratio = [one / two for one, two in zip(seconds["one pass"], seconds["two passes"])]
         return {"seconds": {how: summary(values[:rounds]) for how, values in seconds.items()},
                 "one_pass_over_two": summary(ratio) if ratio else None,
-                "fidelity": comparison, "rounds": rounds,
+                "fidelity": comparison, "rounds": rounds, "decode_graphs_serve_answers": graphs,
                 "workload": f"{load['requests']} prompts of {load['prompt_len']} tokens a round, "
                             f"{load['in_flight']} in flight, {load['max_new_tokens']} new tokens each (ignore_eos)"}
 
-    server = run.start_server("answers", {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_SAMPLE": "0"})
+    env = {"SGLANG_HS_DUMP_DIR": str(dump_dir), "SGLANG_HS_DUMP_SAMPLE": "0"}
+    graphs = bool(run.contenders and "graphs" in run.contenders)
+    if graphs:
+        env["SGLANG_HS_DUMP_ANSWER_GRAPHS"] = "1"
+    server = run.start_server("answers", env)
     try:
         server.wait_ready()
         follower = ManifestFollower(str(dump_dir))
