@@ -177,6 +177,12 @@ def decode_graph_misses_dump(requests: Optional[List[Optional[DumpRequest]]]) ->
     return holds_dumped_request(requests) and not answer_graphs()
 
 
+def decode_step_misses_dump(reqs) -> bool:
+    """decode_graph_misses_dump for a decode step of the scheduler's requests `reqs` (the
+    vote on the decode graph under DP attention)."""
+    return decode_graph_misses_dump(requests_to_dump(reqs, is_extend=False))
+
+
 def holds_dumped_request(requests: Optional[List[Optional[DumpRequest]]]) -> bool:
     """Whether a batch whose requests_to_dump are `requests` dumps any: such a prefill
     runs eagerly (a replayed CUDA graph runs no Python hook), on every DP rank alike."""
