@@ -1,6 +1,6 @@
 """Benchmarks of the hidden-states dump against its alternatives, each comparison in one run.
 
-    python -m scripts.bench.dump --suite prefill|hidden|write|scaling|fp8|profile|trace|sample|answers [--preset cpu|gpu|gpu-rank|gpu-traffic] --out FILE.json
+    python -m scripts.bench.dump --suite prefill|hidden|write|scaling|fp8|profile|trace|sample|answers|regenerate [--preset cpu|gpu|gpu-rank|gpu-traffic] --out FILE.json
 
 Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - prefill: prompt tokens/s of unpatched upstream, patched with dumping off, patched with
@@ -33,6 +33,8 @@ Suites (BENCHMARKS.md has the tables and the commands that produced them):
 - answers: one pass (an answer captured as it is decoded) against two (generated undumped,
   then prefilled with the dump on), on one server, with the rows of each compared
   (scripts/bench/answer_passes.py).
+- regenerate: the generate command on one chat dataset, plainly and with --regenerate, each on
+  its own server (scripts/bench/regenerate.py).
 
 Every dumping server logs its dump timings as it exits (DumpTimings: scheduler time taking
 rows and blocked on a full queue, writer time waiting for copies, writing, and taking its
@@ -67,20 +69,13 @@ from scripts.bench.copier_hooks import copier_hook, slices_hook
 from scripts.bench.dump_stages import STAGE_ENV, forward_hooks_arg
 from scripts.bench.profile import read_stacks, summarize
 from scripts.bench.trace import summarize_trace
-from scripts.bench.run import BenchRun, rss_parts_kib, total_rss_kib
+from scripts.bench.run import SERVER_ARGS, BenchRun, rss_parts_kib, total_rss_kib
 from scripts.bench.answer_passes import suite_answers
+from scripts.bench.regenerate import suite_regenerate
 from scripts.bench.sampled_traffic import suite_sample
 from scripts.dumps.server import Server, child_pids, has_gpu
 from scripts.dumps.tiny_model import ensure_model
 
-# Every contender prefills whole prompts. A dumped prompt never matches a cached prefix; the
-# others would match the first tokens random prompts share, and on DeepSeek a batch with any
-# prefix takes another attention path (on the CPU the absorbed-MLA one, several times slower).
-NO_PREFIX_CACHE = ("--disable-radix-cache",)
-# An idle SGLang scheduler polls in a busy loop; with several servers on one machine that
-# loop takes the cores the working server needs (on 2 cores a round took 6.5x as long
-# with a second, idle server running). Sleeping when idle keeps the contenders apart.
-SERVER_ARGS = NO_PREFIX_CACHE + ("--sleep-on-idle",)
 # The Mooncake sink's contenders, by how their consumer takes samples out of the store
 # (scripts/bench/store_consumer.py): acknowledged unread (the store's own cost), or read by a
 # trainer's loop on this machine, then acknowledged.
@@ -94,7 +89,8 @@ PRESETS = {
                 lengths=(128, 512, 2048), layer_counts=(1, 4), hidden_prompts=8, fidelity_prompts=4,
                 store_consumers=STORE_CONSUMERS, store_segment_size=1 << 30,
                 traffic=dict(requests=256, in_flight=32, prompt_len=128, max_new_tokens=16),
-                answers=dict(requests=32, in_flight=16, prompt_len=256, max_new_tokens=64)),
+                answers=dict(requests=32, in_flight=16, prompt_len=256, max_new_tokens=64),
+                regenerate=dict(conversations=32, concurrency=16, max_new_tokens=64)),
     # The sample suite on a GPU: the tiny model, so a step's time is the scheduler's own work (the
     # Python of every forward, where a capture's cost would show first), decode CUDA graphs on as
     # served. Four servers share the GPU; --max-total-tokens, not the fraction, sizes each KV cache.
@@ -103,7 +99,8 @@ PRESETS = {
     "gpu-traffic": dict(model=dict(layers=4, widths="deepseek"), prompts=16, prompt_len=256, repeats=5,
                         server_args=SERVER_ARGS + ("--mem-fraction-static", "0.15", "--max-total-tokens", "131072"),
                         traffic=dict(requests=1024, in_flight=128, prompt_len=128, max_new_tokens=32),
-                        answers=dict(requests=256, in_flight=64, prompt_len=512, max_new_tokens=256)),
+                        answers=dict(requests=256, in_flight=64, prompt_len=512, max_new_tokens=256),
+                        regenerate=dict(conversations=256, concurrency=64, max_new_tokens=256)),
     # DeepSeek-V3's hidden size with few layers and experts, so prefill is compute-bound.
     # Up to five servers share the GPU. Prefill batches of 256 x 512 tokens exceed the
     # prefill CUDA graphs' token limit, so graphs would only serve warmup; off, servers
@@ -673,7 +670,8 @@ def suite_trace(run: BenchRun) -> dict:
 
 SUITES = {"prefill": suite_prefill, "hidden": suite_hidden, "write": suite_write, "scaling": suite_scaling,
           "profile": suite_profile, "fp8": suite_fp8,
-          "trace": suite_trace, "sample": suite_sample, "answers": suite_answers}
+          "trace": suite_trace, "sample": suite_sample, "answers": suite_answers,
+          "regenerate": suite_regenerate}
 
 
 def main(argv=None) -> int:

@@ -26,8 +26,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import List
 
-from scripts.bench.dump import SERVER_ARGS
 from scripts.bench.measure import send_all, summary
+from scripts.bench.run import SERVER_ARGS
 from scripts.dump_format import ManifestFollower
 from scripts.dumps.chat import ChatEncoder, load_tokenizer
 from scripts.dumps.conversations import open_dataset

@@ -9,6 +9,15 @@ from typing import Dict, Iterator, Optional
 
 from scripts.dumps.server import Server, runtime_env
 
+# Every contender prefills whole prompts. A dumped prompt never matches a cached prefix; the
+# others would match the first tokens random prompts share, and on DeepSeek a batch with any
+# prefix takes another attention path (on the CPU the absorbed-MLA one, several times slower).
+NO_PREFIX_CACHE = ("--disable-radix-cache",)
+# An idle SGLang scheduler polls in a busy loop; with several servers on one machine that
+# loop takes the cores the working server needs (on 2 cores a round took 6.5x as long
+# with a second, idle server running). Sleeping when idle keeps the contenders apart.
+SERVER_ARGS = NO_PREFIX_CACHE + ("--sleep-on-idle",)
+
 
 @dataclass
 class BenchRun:

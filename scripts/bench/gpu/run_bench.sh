@@ -10,7 +10,7 @@
 # is a scripts/bench/dump.py suite, run with the preset BENCH_PRESET (default gpu; gpu-rank:
 # a TP8 rank's compute, with the Mooncake sink's contenders) and, when set, --contenders
 # "$BENCH_CONTENDERS". BENCH_DEADLINE_S, when set,
-# is bench_dump's --deadline-s, BENCH_PROMPTS its --prompts; BENCH_TIMEOUT_S, when set, stops bench_dump after that
+# is bench_dump's --deadline-s, BENCH_REPEATS its --repeats, BENCH_PROMPTS its --prompts; BENCH_TIMEOUT_S, when set, stops bench_dump after that
 # many seconds, so its log and the servers' logs still reach $OUT before the call's own
 # limit. Results land in $OUT/bench-*.json, bench_dump's output in $OUT/bench-gpu*.log as
 # it runs; the profile suite's raw py-spy samples in $OUT/py-spy-raw-*.txt.gz, the trace suite's
@@ -72,6 +72,8 @@ done
 WORK_ROOT=${BENCH_WORK_ROOT:-/tmp}
 deadline=()
 [ -n "${BENCH_DEADLINE_S:-}" ] && deadline=(--deadline-s "$BENCH_DEADLINE_S")
+repeats=()  # BENCH_REPEATS: rounds instead of the preset's
+[ -n "${BENCH_REPEATS:-}" ] && repeats=(--repeats "$BENCH_REPEATS")
 prompts=()  # BENCH_PROMPTS: prompts a round, for longer rounds
 [ -n "${BENCH_PROMPTS:-}" ] && prompts=(--prompts "$BENCH_PROMPTS")
 contenders=()  # BENCH_CONTENDERS: the prefill suite's --contenders regex
@@ -79,7 +81,7 @@ contenders=()  # BENCH_CONTENDERS: the prefill suite's --contenders regex
 bench_dump() {  # bench_dump NAME SUITE_ARGS...: one bench_dump process, its results and log named NAME
     local name=$1
     shift
-    timeout "${BENCH_TIMEOUT_S:-0}" python3 -m scripts.bench.dump "$@" "${deadline[@]}" "${prompts[@]}" \
+    timeout "${BENCH_TIMEOUT_S:-0}" python3 -m scripts.bench.dump "$@" "${deadline[@]}" "${repeats[@]}" "${prompts[@]}" \
         --preset "${BENCH_PRESET:-gpu}" "${contenders[@]}" --work-dir "$WORK_ROOT/bench-$name" --out "$OUT/bench-$name.json" > "$OUT/bench-$name.log" 2>&1
     local code=$?
     tail -n 30 "$WORK_ROOT/bench-$name"/*.log > "$OUT/server-logs-tail-$name.txt" 2>/dev/null
