@@ -14,8 +14,13 @@ Per round, the seconds from the first request to the last manifest line. Fidelit
 captured layer and the final state, as relative errors over rows: the one-pass answer rows
 (decode steps) against the two-pass rows of the same tokens (one prefill), beside what two
 prefills of the same tokens differ by (the two-pass samples of two rounds, batched apart) and
-the prompt rows of the two passes (both prefills). On the CPU SGLang's DeepSeek prefill is
-wrong upstream, so there decode and prefill rows differ by that bug, not by the capture."""
+the prompt rows of the two passes (both prefills); and, from a second launch of the same server
+running a round of each way, what two launches differ by (two_launches: each way's samples
+against the first launch's, every row). Last, the answer rows of up to 16 agreeing samples,
+decode and prefill, against transformers in float32 on the same tokens, beside transformers'
+own bf16 (against_transformers). On the CPU SGLang's DeepSeek prefill is wrong upstream, so
+there decode and prefill rows differ by that bug, not by the capture; transformers shows which
+is right."""
 
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,9 +29,11 @@ from typing import Dict, List, Optional
 import torch
 
 from scripts.bench.measure import clear_files, prompts_for, summary, wait_for_lines
+from scripts.bench.transformers_rows import transformers_rows
 from scripts.dump_format import ANSWER_PARAM, DUMP_PARAM, ManifestFollower, load_dump
 
 PASSES = ("one pass", "two passes")
+REFERENCE_SAMPLES = 16  # samples whose answer rows are held against transformers
 
 
 def generate(server, prompt: List[int], rid: str, max_new_tokens: int, custom_params: dict) -> List[int]:
@@ -132,16 +139,83 @@ def suite_answers(run) -> dict:
                     f"{how} {values[-1]:.2f}s" for how, values in seconds.items()))
     finally:
         server.stop()
+    if comparison is not None:
+        comparison["two_launches"] = relaunched(run, env, dump_dir, prompts, load, answers, kept)
+        run.checkpoint(result())
+        comparison["against_transformers"] = against_transformers(run.model, prompts, answers, kept)
     return result()
+
+
+def relaunched(run, env, dump_dir, prompts, load, answers, kept) -> dict:
+    """What two launches of the same server differ by: a second launch runs a round of each
+    way, whose samples are compared with the first launch's first round where the tokens agree."""
+    clear_files(dump_dir)
+    again: Dict[str, tuple] = {}
+    with run.start_server("answers-relaunched", env) as server:
+        server.wait_ready()
+        follower = ManifestFollower(str(dump_dir))
+        for how in PASSES:
+            rids = [f"{how.replace(' ', '-')}-relaunched-{i}" for i in range(len(prompts))]
+            _, round_answers = run_round(server, follower, prompts, rids, load["max_new_tokens"], load["in_flight"],
+                                         one_pass if how == "one pass" else two_passes)
+            again[how] = (round_answers, samples_of(follower, dump_dir, rids))
+            clear_files(dump_dir)
+    every_row = lambda prompt_len, n: slice(0, n)  # noqa: E731
+    compared = {}
+    for how in PASSES:
+        first, second = kept[how][0], again[how][1]
+        same = [i for i in range(len(prompts))
+                if answers[how][0][i] == again[how][0][i] and i in first and i in second
+                and first[i].token_ids.tolist() == second[i].token_ids.tolist()]
+        compared[how.replace(" ", "_")] = dict(
+            fidelity([(len(prompts[i]), first[i], second[i]) for i in same], every_row),
+            samples_with_equal_tokens=len(same))
+    return compared
+
+
+def agreeing(prompts, answers, kept) -> List[int]:
+    """The prompts whose answer and sample tokens are the same in the first round's one pass
+    and in the two rounds' two passes."""
+    one, two, again = kept["one pass"][0], kept["two passes"][0], kept["two passes"][1]
+    return [i for i in range(len(prompts))
+            if answers["one pass"][0][i] == answers["two passes"][0][i] == answers["two passes"][1][i]
+            and one[i].token_ids.tolist() == two[i].token_ids.tolist() == again[i].token_ids.tolist()]
+
+
+def against_transformers(model, prompts, answers, kept) -> dict:
+    """The answer rows of up to REFERENCE_SAMPLES agreeing samples, the one-pass (decode) rows
+    and the two-pass (prefill) rows, against transformers in float32 on the same tokens, beside
+    transformers' own bf16 against float32: which of the two is nearer the value bf16
+    approximates, and how near bf16 itself comes."""
+    chosen = agreeing(prompts, answers, kept)[:REFERENCE_SAMPLES]
+    one, two = kept["one pass"][0], kept["two passes"][0]
+    tokens = [one[i].token_ids.tolist() for i in chosen]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    float32 = transformers_rows(model, tokens, torch.float32, device)
+    bf16 = transformers_rows(model, tokens, torch.bfloat16, device)
+    errors: Dict[str, Dict[str, List[torch.Tensor]]] = {
+        "one_pass_decode_rows": {}, "two_passes_prefill_rows": {}, "transformers_bf16": {}}
+    for k, i in enumerate(chosen):
+        rows = slice(len(prompts[i]), len(tokens[k]))
+        for name, record in (("one_pass_decode_rows", one[i]), ("two_passes_prefill_rows", two[i])):
+            dumped = {**{str(layer): record.hidden_states[:, j] for j, layer in enumerate(record.layer_ids)},
+                      "last": record.last_hidden_state}
+            for stream, values in dumped.items():
+                errors[name].setdefault(stream, []).append(row_errors(values[rows], float32[k][stream][rows]))
+        for stream in errors["one_pass_decode_rows"]:
+            errors["transformers_bf16"].setdefault(stream, []).append(
+                row_errors(bf16[k][stream][rows], float32[k][stream][rows]))
+    return {"samples": len(chosen), "device": device,
+            **{name: {stream: {"mean": float(torch.cat(values).mean()), "max": float(torch.cat(values).max()),
+                               "rows": int(torch.cat(values).numel())} for stream, values in streams.items()}
+               for name, streams in errors.items()}}
 
 
 def compare(prompts, answers, kept) -> dict:
     """The one-pass samples of the first round against the two-pass samples of the first, and
     the two-pass samples of two rounds against each other, where their tokens agree."""
     one, two, again = kept["one pass"][0], kept["two passes"][0], kept["two passes"][1]
-    same = [i for i in range(len(prompts))
-            if answers["one pass"][0][i] == answers["two passes"][0][i] == answers["two passes"][1][i]
-            and one[i].token_ids.tolist() == two[i].token_ids.tolist() == again[i].token_ids.tolist()]
+    same = agreeing(prompts, answers, kept)
     answer_rows = lambda prompt_len, n: slice(prompt_len, n)  # noqa: E731
     prompt_rows = lambda prompt_len, n: slice(0, prompt_len)  # noqa: E731
     every_row = lambda prompt_len, n: slice(0, n)  # noqa: E731
