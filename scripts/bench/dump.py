@@ -28,7 +28,8 @@ Suites (BENCHMARKS.md has the tables and the commands that produced them):
   SGLang's torch profiler: the GPU's timeline per stream, the forward stream's idle gaps and
   what resumed each, and the host threads' CUDA runtime calls (scripts/bench/trace.py).
 - sample: a serving load on dumping off, dumping on with none sampled, 1% of requests sampled
-  and every request dumped:
+  and every request dumped (with `--contenders answers`: 1% sampled with their answers, the
+  decode steps that carry one eager or replayed by graphs):
   throughput and the latency of the requests not dumped (scripts/bench/sampled_traffic.py).
 - answers: one pass (an answer captured as it is decoded) against two (generated undumped,
   then prefilled with the dump on), on one server, with the rows of each compared

@@ -19,10 +19,19 @@ from scripts.dump_format import META_INFO_KEY, ManifestFollower
 from scripts.dumps.server import Server
 
 # The contenders: the environment each server adds to the dump directory (None: dumping off).
-# "none sampled" dumps nothing (no request asks): what dumping being on costs by itself.
+# "none sampled" dumps nothing (no request asks): what dumping being on costs by itself. The
+# "answers at 1%" ones dump 1% of the requests with their answers (SGLANG_HS_DUMP_ANSWERS), the
+# decode steps that carry one run eagerly or replayed by graphs (SGLANG_HS_DUMP_ANSWER_GRAPHS):
+# what the requests batched beside a dumped answer pay. The first four run unless --contenders
+# names others.
+ONE_PERCENT = {"SGLANG_HS_DUMP_SAMPLE": "0.01", "SGLANG_HS_DUMP_SAMPLE_SEED": "1"}
 CONTENDERS = {"dump off": None, "none sampled": {"SGLANG_HS_DUMP_SAMPLE": "0"},
-              "1% sampled": {"SGLANG_HS_DUMP_SAMPLE": "0.01", "SGLANG_HS_DUMP_SAMPLE_SEED": "1"},
-              "every request": {}}
+              "1% sampled": ONE_PERCENT,
+              "every request": {},
+              "answers at 1%, eager": {**ONE_PERCENT, "SGLANG_HS_DUMP_ANSWERS": "1"},
+              "answers at 1%, graphs": {**ONE_PERCENT, "SGLANG_HS_DUMP_ANSWERS": "1",
+                                        "SGLANG_HS_DUMP_ANSWER_GRAPHS": "1"}}
+DEFAULT_CONTENDERS = ("dump off", "none sampled", "1% sampled", "every request")
 
 
 def send_traffic(server: Server, prompts: List[List[int]], rids: List[str], max_new_tokens: int,
@@ -53,7 +62,7 @@ def suite_sample(run) -> dict:
     traffic = preset["traffic"]
     # --contenders keeps the ones whose name it matches, beside dumping off.
     contenders = {name: env for name, env in CONTENDERS.items()
-                  if env is None or not run.contenders or re.search(run.contenders, name)}
+                  if env is None or (re.search(run.contenders, name) if run.contenders else name in DEFAULT_CONTENDERS)}
     names = list(contenders)
     dump_dirs: Dict[str, Optional[Path]] = {name: None if env is None else run.work / f"dump-sample-{index}"
                                             for index, (name, env) in enumerate(contenders.items())}
