@@ -1,8 +1,10 @@
 """The rows' copy to the host: on its own thread, in slices of at most slice_bytes taken
 row-wise across every tensor of a forward, in the order submitted; a writer waits for its
 own rows only; a failed copy fails its Landing (and so the writes that wait on it) and the
-copier goes on with the next forward's rows."""
+copier goes on with the next forward's rows. On the CPU the copier's copies start no OpenMP
+team beside the forwards'."""
 
+import os
 import threading
 
 import pytest
@@ -147,3 +149,42 @@ def test_waiters_go_in_turn_as_their_rows_land_and_all_go_when_the_copy_fails():
     assert set(failed) == {9, None} and "copy engine" in str(failed[9])
     with pytest.raises(RuntimeError, match="copy to the host failed"):
         landing.wait(1)  # a later wait on a failed landing fails at once
+
+
+def live_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="with one thread no parallel op starts an OpenMP team")
+def test_a_copy_on_the_cpu_starts_no_openmp_team_beside_the_forwards():
+    """A parallel op on a second thread starts an OpenMP team of its own, and with more OpenMP
+    threads than cores every parallel region of the forwards waits for its threads to wake
+    (copier.keep_ops_on_this_thread). The copier's copies run on its thread alone; a thread
+    that copies the same rows plainly, the control, starts a team."""
+    rows = torch.randn(1 << 20)  # far above ATen's grain: its copy runs in parallel
+    rows.clone()  # this thread's own team, if it has none yet
+    copier = RowsCopier(torch.device("cpu"))
+    before = live_threads()
+    landing, target = Landing(), torch.empty_like(rows)
+    copier.submit({"hidden_states": rows}, {"hidden_states": target}, None, landing)
+    landing.wait()
+    assert torch.equal(target, rows)
+    assert live_threads() == before
+
+    copied, release = threading.Event(), threading.Event()
+
+    def plain_copy():
+        torch.set_num_threads(2)  # the copier set the count new threads take to 1
+        torch.empty_like(rows).copy_(rows)
+        copied.set()
+        release.wait()
+
+    before = live_threads()
+    control = threading.Thread(target=plain_copy)
+    control.start()
+    try:
+        assert copied.wait(60)
+        assert live_threads() > before + 1, "the control's copy started no team: the check above proves nothing"
+    finally:
+        release.set()
+        control.join()

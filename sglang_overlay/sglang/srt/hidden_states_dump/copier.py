@@ -115,6 +115,19 @@ def row_slices(pairs, slice_bytes: int) -> Iterator[Tuple[int, int]]:
         yield start, min(start + step, num_rows)
 
 
+def keep_ops_on_this_thread() -> None:
+    """Run the calling thread's CPU tensor ops on it alone. A parallel op from a second thread
+    starts an OpenMP team of its own; with more OpenMP threads than cores GNU OpenMP stops
+    spinning between parallel regions, so every parallel region of the forwards then waits for
+    its threads to wake. On 2 cores a server that had copied one dumped request's rows served
+    at 0.48 of its rate from then on (BENCHMARKS.md, "Live traffic"). torch.set_num_threads
+    sets this thread's OpenMP and MKL counts, and the count a thread takes at its first
+    parallel op; called at the first copy, after warmup, the forwards' thread has long taken
+    its own."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 class RowsCopier:
     """One thread that copies each forward's device rows into their host rows (quantizing
     fp8 rows first), in the order submitted, and marks each forward's Landing. It holds the
@@ -154,6 +167,8 @@ class RowsCopier:
         sliced = torch.cuda.Event() if self.stream is not None else None
         while True:
             job = self._jobs.get()
+            if self.stream is None:
+                keep_ops_on_this_thread()
             try:
                 self._copy(job, sliced)
             except Exception as e:
