@@ -151,6 +151,9 @@ class Server:
         return Path(value) if value else None
 
     def start(self) -> "Server":
+        if self.process is not None:
+            # A second launch would take the first's port and log and leave it running unseen.
+            raise RuntimeError(f"the server logging to {self.log_path} was started already")
         self.log_file = open(self.log_path, "w")
         self.process = subprocess.Popen(self.args, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT,
                                         start_new_session=True, cwd=self.cwd,
@@ -242,7 +245,7 @@ class Server:
         return memory
 
     def __enter__(self):
-        return self.start()
+        return self if self.process is not None else self.start()
 
     def __exit__(self, *exc):
         self.stop()
