@@ -5,12 +5,14 @@
 # included, so a bundle holds what one kind of run needs:
 #   store (default): the Mooncake sink and a local store beside SGLang (about 60 MiB);
 #   acceptance: SpecForge 0.2.0 and what it lacks there beside SGLang, no Mooncake, so that the
-#     acceptance target's weights travel with it (scripts/acceptance/).
-# Usage: scripts/bench/gpu/build_bundle.sh OUT_DIR [store|acceptance]
+#     acceptance target's weights travel with it (scripts/acceptance/);
+#   serve: SGLang alone, no Mooncake and no profiler (about 44 MiB), for the suites that only
+#     serve and dump to files (answers, sample, regenerate), so the working tree fits beside it.
+# Usage: scripts/bench/gpu/build_bundle.sh OUT_DIR [store|acceptance|serve]
 set -euo pipefail
-OUT=${1:?usage: build_bundle.sh OUT_DIR [store|acceptance]}
+OUT=${1:?usage: build_bundle.sh OUT_DIR [store|acceptance|serve]}
 KIND=${2:-store}
-case "$KIND" in store|acceptance) ;; *) echo "build_bundle.sh: no bundle kind $KIND (store, acceptance)" >&2; exit 2;; esac
+case "$KIND" in store|acceptance|serve) ;; *) echo "build_bundle.sh: no bundle kind $KIND (store, acceptance, serve)" >&2; exit 2;; esac
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 PY312=$(scripts/toolchain/find-python 3.12)
@@ -47,6 +49,8 @@ else
   while read -r requirement; do
     download "$WORK/wheels" "$requirement"
   done < <(grep -v '^#' scripts/bench/gpu/ipython-requirements.txt)
+fi
+if [ "$KIND" = store ]; then
   # The Mooncake sink (SGLANG_HS_DUMP_SINK=mooncake) and a store on the machine itself: Mooncake's
   # store client, master and memory client (pruned below), and hs-connectors' layout.
   download "$WORK/wheels" mooncake-transfer-engine-non-cuda==0.3.13.post1
@@ -57,7 +61,7 @@ fi
 # and are left out, so the GPU runs use --attention-backend triton.
 (cd "$WORK/site" && unzip -q -o "$WORK"/kernel/sglang_kernel-0.4.4-*.whl \
   -x 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/flashmla_ops.abi3.so' 'sgl_kernel/sm100/*')
-if [ "$KIND" = acceptance ]; then
+if [ "$KIND" != store ]; then
   rm -rf "$WORK/site/bin"
   find "$WORK/site" -name __pycache__ -type d -prune -exec rm -rf {} +
   tar cf - -C "$WORK/site" . | xz -9 -T0 > "$OUT/site.tar.xz"
