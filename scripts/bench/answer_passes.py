@@ -78,19 +78,41 @@ def row_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)
 
 
+def streams(record) -> Dict[str, torch.Tensor]:
+    """A record's rows per stream: each captured layer id, and "last" (the final state)."""
+    return {**{str(layer_id): record.hidden_states[:, k] for k, layer_id in enumerate(record.layer_ids)},
+            "last": record.last_hidden_state}
+
+
+def summarized(errors: Dict[str, List[torch.Tensor]]) -> Dict[str, dict]:
+    """Per stream, the mean and max of its per-row relative errors and how many rows they are."""
+    return {name: {"mean": float(torch.cat(values).mean()), "max": float(torch.cat(values).max()),
+                   "rows": int(torch.cat(values).numel())}
+            for name, values in errors.items() if torch.cat(values).numel()}
+
+
+def answer_rows(prompt_len: int, n: int) -> slice:
+    return slice(prompt_len, n)
+
+
+def prompt_rows(prompt_len: int, n: int) -> slice:
+    return slice(0, prompt_len)
+
+
+def every_row(prompt_len: int, n: int) -> slice:
+    return slice(0, n)
+
+
 def fidelity(pairs, span) -> Dict[str, dict]:
     """Per stream (captured layer ids, "last"): mean and max of the per-row relative errors of
     the first record of each pair against the second, over the rows `span(prompt_len, n)`."""
     errors: Dict[str, List[torch.Tensor]] = {}
     for prompt_len, first, second in pairs:
         rows = span(prompt_len, first.token_ids.shape[0])
-        for k, layer_id in enumerate(first.layer_ids):
-            errors.setdefault(str(layer_id), []).append(
-                row_errors(first.hidden_states[rows, k], second.hidden_states[rows, k]))
-        errors.setdefault("last", []).append(row_errors(first.last_hidden_state[rows], second.last_hidden_state[rows]))
-    return {name: {"mean": float(torch.cat(values).mean()), "max": float(torch.cat(values).max()),
-                   "rows": int(torch.cat(values).numel())}
-            for name, values in errors.items() if torch.cat(values).numel()}
+        theirs = streams(second)
+        for name, values in streams(first).items():
+            errors.setdefault(name, []).append(row_errors(values[rows], theirs[name][rows]))
+    return summarized(errors)
 
 
 def suite_answers(run) -> dict:
@@ -160,7 +182,6 @@ def relaunched(run, env, dump_dir, prompts, load, answers, kept) -> dict:
                                          one_pass if how == "one pass" else two_passes)
             again[how] = (round_answers, samples_of(follower, dump_dir, rids))
             clear_files(dump_dir)
-    every_row = lambda prompt_len, n: slice(0, n)  # noqa: E731
     compared = {}
     for how in PASSES:
         first, second = kept[how][0], again[how][1]
@@ -196,19 +217,14 @@ def against_transformers(model, prompts, answers, kept) -> dict:
     errors: Dict[str, Dict[str, List[torch.Tensor]]] = {
         "one_pass_decode_rows": {}, "two_passes_prefill_rows": {}, "transformers_bf16": {}}
     for k, i in enumerate(chosen):
-        rows = slice(len(prompts[i]), len(tokens[k]))
+        rows = answer_rows(len(prompts[i]), len(tokens[k]))
         for name, record in (("one_pass_decode_rows", one[i]), ("two_passes_prefill_rows", two[i])):
-            dumped = {**{str(layer): record.hidden_states[:, j] for j, layer in enumerate(record.layer_ids)},
-                      "last": record.last_hidden_state}
-            for stream, values in dumped.items():
+            for stream, values in streams(record).items():
                 errors[name].setdefault(stream, []).append(row_errors(values[rows], float32[k][stream][rows]))
         for stream in errors["one_pass_decode_rows"]:
             errors["transformers_bf16"].setdefault(stream, []).append(
                 row_errors(bf16[k][stream][rows], float32[k][stream][rows]))
-    return {"samples": len(chosen), "device": device,
-            **{name: {stream: {"mean": float(torch.cat(values).mean()), "max": float(torch.cat(values).max()),
-                               "rows": int(torch.cat(values).numel())} for stream, values in streams.items()}
-               for name, streams in errors.items()}}
+    return {"samples": len(chosen), "device": device, **{name: summarized(by_stream) for name, by_stream in errors.items()}}
 
 
 def compare(prompts, answers, kept) -> dict:
@@ -216,9 +232,6 @@ def compare(prompts, answers, kept) -> dict:
     the two-pass samples of two rounds against each other, where their tokens agree."""
     one, two, again = kept["one pass"][0], kept["two passes"][0], kept["two passes"][1]
     same = agreeing(prompts, answers, kept)
-    answer_rows = lambda prompt_len, n: slice(prompt_len, n)  # noqa: E731
-    prompt_rows = lambda prompt_len, n: slice(0, prompt_len)  # noqa: E731
-    every_row = lambda prompt_len, n: slice(0, n)  # noqa: E731
     return {
         "samples_with_equal_tokens": len(same), "samples": len(prompts),
         "decode_rows_vs_prefill": fidelity([(len(prompts[i]), one[i], two[i]) for i in same], answer_rows),
