@@ -15,6 +15,13 @@ os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
 # server's start, about half a test server's CPU time. The servers run them eagerly: what the
 # tests compare is one server's own computation, which is eager on both sides.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# Test servers share the machine's cores (make test runs three at once), and SGLang's CPU engine
+# pins every server's OpenMP threads to the same cores. With OpenMP's default wait policy a
+# thread spins at each barrier on a core another server needs: three retraction tests side by
+# side on two cores decoded at 5-9 tokens/s, against 300 alone, and each ran past 385 s; waiting
+# passively, the three took 141 s. Alone a passive server is slower (109 s against 66), which
+# the tests, never timed, can afford; benchmarks keep OpenMP's default.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
