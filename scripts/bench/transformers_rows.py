@@ -1,8 +1,8 @@
 """What transformers computes on a model's weights for given tokens, as a dump holds it: per
 token list, the stream entering each decoder layer (layer id i < L), the last layer's output
 before the final norm (id L) and the normed output ("last"). The reference the answers suite
-holds decode and prefill rows against: in float32 the value a bf16 engine approximates, in
-bf16 what bf16 itself allows."""
+holds decode and prefill rows against, and the GPU tests (tests/gpu) hold dumps against: in
+float32 the value a bf16 engine approximates, in bf16 what bf16 itself allows."""
 
 from pathlib import Path
 from typing import Dict, List, Sequence

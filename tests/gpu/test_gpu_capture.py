@@ -12,6 +12,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Dict, List, Sequence
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 from scripts.dumps.server import Server, has_gpu, runtime_env, wait_for_manifest
 from scripts.dumps.tiny_model import ensure_model
 from scripts.bench.copier_hooks import slices_hook
+from scripts.bench.transformers_rows import transformers_rows
 
 pytestmark = pytest.mark.skipif(not has_gpu(), reason="needs a GPU")
 
@@ -32,29 +34,22 @@ def model():
     return ensure_model(layers=NUM_LAYERS, q_lora=True, widths="deepseek")
 
 
+def transformers_streams(model: Path, prompts: Sequence[List[int]], dtype: torch.dtype,
+                         device: str = "cuda") -> Dict[str, Dict[str, torch.Tensor]]:
+    """transformers on the same weights (scripts/bench/transformers_rows.py), per prompt length:
+    the stream entering each layer, the last layer's output before the final norm (id L), and
+    the normed output under the dump's name for it, last_hidden_state."""
+    return {str(len(prompt)): {("last_hidden_state" if name == "last" else name): value for name, value in points.items()}
+            for prompt, points in zip(prompts, transformers_rows(model, prompts, dtype, device))}
+
+
 @pytest.fixture(scope="module")
 def reference(model):
     """transformers on the same weights on the GPU, in float32 (the value SGLang's bf16
-    computation approximates) and in bf16: the stream entering each layer
-    (output_hidden_states), the last layer's output before the final norm, the normed output."""
-    from transformers import AutoModelForCausalLM
-
+    computation approximates) and in bf16."""
     prompt = random.Random(PROMPT_LEN).sample(range(5, 1000), PROMPT_LEN)
-    references = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).cuda().eval()
-        last_layer_output = {}
-        handle = hf.model.layers[-1].register_forward_hook(
-            lambda module, inputs, output: last_layer_output.setdefault(
-                "value", (output[0] if isinstance(output, tuple) else output).detach()))
-        with torch.no_grad():
-            out = hf.model(torch.tensor([prompt], device="cuda"), output_hidden_states=True)
-        handle.remove()
-        streams = {str(i): out.hidden_states[i][0].float().cpu() for i in range(NUM_LAYERS)}
-        streams[str(NUM_LAYERS)] = last_layer_output["value"][0].float().cpu()
-        streams["last_hidden_state"] = out.last_hidden_state[0].float().cpu()
-        references[str(dtype).replace("torch.", "")] = streams
-        del hf
+    references = {str(dtype).replace("torch.", ""): transformers_streams(model, [prompt], dtype)[str(PROMPT_LEN)]
+                  for dtype in (torch.float32, torch.bfloat16)}
     return prompt, references
 
 

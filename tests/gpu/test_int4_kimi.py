@@ -30,10 +30,10 @@ from safetensors.torch import load_file
 from scripts.dumps.int4_weights import QUANTIZATION_CONFIG, ROUTED_EXPERT_WEIGHT, decode
 from scripts.dumps.server import Server, has_gpu, runtime_env, wait_for_manifest
 from scripts.dumps.tiny_model import ensure_dequantized_int4_model, ensure_kimi_model, ensure_model
-from tests.gpu.test_gpu_capture import RESULTS, record_result, relative_error
+from tests.gpu.test_gpu_capture import RESULTS, record_result, relative_error, transformers_streams
 from tests.gpu.test_tensor_parallel import (
     ERROR_FLOOR, MARGIN_OVER_TRANSFORMERS_BF16, assert_controls_fail, dumped_points, errors_against,
-    out_of_bounds, transformers_streams,
+    out_of_bounds,
 )
 
 NUM_LAYERS = 4

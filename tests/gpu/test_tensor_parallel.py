@@ -51,7 +51,7 @@ import torch
 from scripts.dumps.server import READY_LINE, Server, ServerFailed, has_gpu, runtime_env, wait_for_manifest
 from scripts.dumps.tiny_model import ensure_model
 from tests.gpu.probe_hooks import count_allreduce_fusion_spec
-from tests.gpu.test_gpu_capture import record_result, relative_error
+from tests.gpu.test_gpu_capture import record_result, relative_error, transformers_streams
 
 pytestmark = pytest.mark.skipif(not has_gpu() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
@@ -95,32 +95,6 @@ Points = Dict[str, Dict[str, torch.Tensor]]
 def random_prompt(length: int) -> List[int]:
     rng = random.Random(length)
     return [rng.randrange(5, 1000) for _ in range(length)]
-
-
-def transformers_streams(model: Path, prompts: Sequence[List[int]], dtype) -> Dict[str, Dict[str, torch.Tensor]]:
-    """transformers on GPU 0, per prompt: the stream entering each layer (output_hidden_states),
-    the last layer's output before the final norm (id L, by a hook), the normed output."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).cuda().eval()
-    num_layers = len(hf.model.layers)
-    last = {}
-    handle = hf.model.layers[-1].register_forward_hook(lambda module, inputs, output: last.__setitem__(
-        "output", output[0] if isinstance(output, tuple) else output))
-    streams = {}
-    try:
-        with torch.no_grad():
-            for prompt in prompts:
-                out = hf.model(torch.tensor([prompt], device="cuda"), output_hidden_states=True)
-                points = {str(i): out.hidden_states[i][0] for i in range(num_layers)}
-                points[str(num_layers)] = last["output"][0]
-                points["last_hidden_state"] = out.last_hidden_state[0]
-                streams[str(len(prompt))] = {name: value.float().cpu() for name, value in points.items()}
-    finally:
-        handle.remove()
-        del hf
-        torch.cuda.empty_cache()
-    return streams
 
 
 def dumped_points(record) -> Dict[str, torch.Tensor]:
