@@ -117,9 +117,10 @@ def test_the_exports_leave_out_nonfinite_samples_unless_kept_and_refuse_a_change
     assert EXPORTS[export].main([str(dump_dir), str(tmp_path / "finite")]) == 0
     assert "leaving out 1 samples whose rows hold NaN or infinity (--keep-nonfinite keeps them): 'nan-1'" in \
         capsys.readouterr().err
-    # The exports keep the manifest's order, which is the order the server finished the
-    # requests in: generate sends them side by side.
-    listed = [entry["rid"] for entry in read_manifest(str(dump_dir))]
+    # The exports keep the samples file's order (generate's samples.jsonl): a sample's line is
+    # written once its answer is back and its manifest line is seen. generate sends the requests
+    # side by side, so the manifest, in the order the server finished them, may list another.
+    listed = [line["rid"] for line in read_lines(dump_dir / "samples.jsonl")]
     assert sorted(listed) == ["clean-0", "clean-2", "nan-1"]
     assert [line["rid"] for line in read_lines(tmp_path / "finite" / INDEX_NAME)] == [
         rid for rid in listed if rid != "nan-1"]
