@@ -86,9 +86,9 @@ def streams(record) -> Dict[str, torch.Tensor]:
 
 def summarized(errors: Dict[str, List[torch.Tensor]]) -> Dict[str, dict]:
     """Per stream, the mean and max of its per-row relative errors and how many rows they are."""
-    return {name: {"mean": float(torch.cat(values).mean()), "max": float(torch.cat(values).max()),
-                   "rows": int(torch.cat(values).numel())}
-            for name, values in errors.items() if torch.cat(values).numel()}
+    joined = {name: torch.cat(values) for name, values in errors.items()}
+    return {name: {"mean": float(rows.mean()), "max": float(rows.max()), "rows": int(rows.numel())}
+            for name, rows in joined.items() if rows.numel()}
 
 
 def answer_rows(prompt_len: int, n: int) -> slice:

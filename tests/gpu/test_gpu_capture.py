@@ -34,13 +34,13 @@ def model():
     return ensure_model(layers=NUM_LAYERS, q_lora=True, widths="deepseek")
 
 
-def transformers_streams(model: Path, prompts: Sequence[List[int]], dtype: torch.dtype,
-                         device: str = "cuda") -> Dict[str, Dict[str, torch.Tensor]]:
-    """transformers on the same weights (scripts/bench/transformers_rows.py), per prompt length:
-    the stream entering each layer, the last layer's output before the final norm (id L), and
-    the normed output under the dump's name for it, last_hidden_state."""
+def transformers_streams(model: Path, prompts: Sequence[List[int]],
+                         dtype: torch.dtype) -> Dict[str, Dict[str, torch.Tensor]]:
+    """transformers on the same weights on the GPU (scripts/bench/transformers_rows.py), per
+    prompt length: the stream entering each layer, the last layer's output before the final
+    norm (id L), and the normed output under the dump's name for it, last_hidden_state."""
     return {str(len(prompt)): {("last_hidden_state" if name == "last" else name): value for name, value in points.items()}
-            for prompt, points in zip(prompts, transformers_rows(model, prompts, dtype, device))}
+            for prompt, points in zip(prompts, transformers_rows(model, prompts, dtype, "cuda"))}
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 from scripts.dump_format import read_manifest
 from scripts.dumps import export_specforge, export_speculators, inspect_dump
 from scripts.dumps.exporting import INDEX_NAME
-from scripts.dumps.samples import read_lines
+from scripts.dumps.samples import SAMPLES_NAME, read_lines
 from scripts.dumps.server import Server, runtime_env
 from scripts.paths import REPO_ROOT
 from tests.server.dump_checks import EXPORT_DUMP_LAYERS, dump_stats, wait_until
@@ -120,7 +120,7 @@ def test_the_exports_leave_out_nonfinite_samples_unless_kept_and_refuse_a_change
     # The exports keep the samples file's order (generate's samples.jsonl): a sample's line is
     # written once its answer is back and its manifest line is seen. generate sends the requests
     # side by side, so the manifest, in the order the server finished them, may list another.
-    listed = [line["rid"] for line in read_lines(dump_dir / "samples.jsonl")]
+    listed = [line["rid"] for line in read_lines(dump_dir / SAMPLES_NAME)]
     assert sorted(listed) == ["clean-0", "clean-2", "nan-1"]
     assert [line["rid"] for line in read_lines(tmp_path / "finite" / INDEX_NAME)] == [
         rid for rid in listed if rid != "nan-1"]
