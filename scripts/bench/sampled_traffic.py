@@ -22,14 +22,17 @@ from scripts.dumps.server import Server
 # "none sampled" dumps nothing (no request asks): what dumping being on costs by itself. The
 # "answers at 1%" ones dump 1% of the requests with their answers (SGLANG_HS_DUMP_ANSWERS), the
 # decode steps that carry one run eagerly or replayed by graphs (SGLANG_HS_DUMP_ANSWER_GRAPHS):
-# what the requests batched beside a dumped answer pay. The first four run unless --contenders
-# names others.
+# what the requests batched beside a dumped answer pay; "answers at 0%, graphs" is the graphs'
+# server dumping nothing: what their copy of every replay's rows costs by itself. The first four
+# run unless --contenders names others.
 ONE_PERCENT = {"SGLANG_HS_DUMP_SAMPLE": "0.01", "SGLANG_HS_DUMP_SAMPLE_SEED": "1"}
 CONTENDERS = {"dump off": None, "none sampled": {"SGLANG_HS_DUMP_SAMPLE": "0"},
               "1% sampled": ONE_PERCENT,
               "every request": {},
               "answers at 1%, eager": {**ONE_PERCENT, "SGLANG_HS_DUMP_ANSWERS": "1"},
               "answers at 1%, graphs": {**ONE_PERCENT, "SGLANG_HS_DUMP_ANSWERS": "1",
+                                        "SGLANG_HS_DUMP_ANSWER_GRAPHS": "1"},
+              "answers at 0%, graphs": {"SGLANG_HS_DUMP_SAMPLE": "0", "SGLANG_HS_DUMP_ANSWERS": "1",
                                         "SGLANG_HS_DUMP_ANSWER_GRAPHS": "1"}}
 DEFAULT_CONTENDERS = ("dump off", "none sampled", "1% sampled", "every request")
 
