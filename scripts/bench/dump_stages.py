@@ -42,11 +42,11 @@ def rows_not_copied(config):
         requests = forward_batch.hidden_states_dump_requests
         if requests is None or not self.is_writer:
             return
-        spans, _ = self._spans(forward_batch, requests)
+        spans, _ = self._spans(forward_batch, requests, forward_batch.forward_mode.is_decode())
         if spans:
             # Gathered as the dump gathers them, then dropped (on a GPU the rows, made on
             # the gather stream, are freed there).
-            self._gather(forward_batch, hidden_states, aux_hidden_states, spans)
+            self._gather(forward_batch.input_ids, hidden_states, aux_hidden_states, spans)
 
     HiddenStatesDumper.capture = capture
     return lambda module, inputs, output: None

@@ -236,3 +236,76 @@ def test_a_replayed_decode_graph_serves_the_answers_from_its_rows(dump_dir, monk
         assert_dumped(dump_dir, line, a + [900, 901], LAYERS)
     else:
         assert wait_for_stats(dumper, lambda s: s["discarded"] == 1)["files"] == 0
+
+
+
+def count_copies(dumper):
+    """The row count of each copy the dumper's copier is handed from now on."""
+    copies = []
+    submit = dumper._copier.submit
+
+    def counted(rows, *args, **kwargs):
+        copies.append(len(rows["token_ids"]))
+        return submit(rows, *args, **kwargs)
+
+    dumper._copier.submit = counted
+    return copies
+
+
+def test_decode_rows_are_staged_and_go_to_the_host_together(dump_dir):
+    """A decode step's answer rows are staged on the forward's device (staged_answers) and go to
+    the host in one copy once the staging is full, a request among them finishes, or a forward
+    the staging does not take comes; a step of more rows than it holds goes alone. Three
+    answers over five steps with a staging of three rows, a prefill between steps, batch
+    orders that change: each sample whole and in order, from six copies, not fifteen."""
+    from sglang.srt.hidden_states_dump.staged_answers import StagedAnswerRows
+
+    dumper = start_dumper(dump_dir, LAYERS)
+    dumper._staged = StagedAnswerRows(capacity=3)
+    prompts = {"a": prompt(100, 4), "b": prompt(200, 3), "d": prompt(400, 2)}
+    answers = {rid: [1000 + 100 * i + j for j in range(5)] for i, rid in enumerate(prompts)}
+    run_forward(dumper, [(DumpRequest(rid, len(p), answer=True), p, 0) for rid, p in prompts.items()])
+    copies = count_copies(dumper)
+
+    def step(i, rids):
+        run_decode(dumper, [answers[rid][i] for rid in rids] + [555],
+                   [DumpRequest(rid, len(prompts[rid]), answer=True, decoding=True) for rid in rids] + [None],
+                   [len(prompts[rid]) + i for rid in rids] + [77])
+
+    step(0, "abd")                                    # 3 staged
+    step(1, "abd")                                    # they go (3); 3 staged
+    c = prompt(300, 2)
+    run_forward(dumper, [(DumpRequest("c", 2), c, 0)])  # the staged go first (3), then c (2)
+    step(2, "dba")                                    # 3 staged
+    dumper.finish_answer(finished_req("a", prompts["a"], answers["a"][:3] + [999]))  # they go (3)
+    dumper._staged.capacity = 1
+    step(3, "bd")                                     # 2 rows do not fit: they go alone (2)
+    dumper._staged.capacity = 3
+    step(4, "bd")                                     # 2 staged
+    dumper.finish_answer(finished_req("b", prompts["b"], answers["b"] + [999]))  # they go (2)
+    dumper.finish_answer(finished_req("d", prompts["d"], answers["d"] + [999]))  # nothing staged
+    lines = {line["rid"]: line for line in wait_for_manifest(dump_dir, ["a", "b", "c", "d"])}
+    assert_dumped(dump_dir, lines["a"], prompts["a"] + answers["a"][:3], LAYERS)
+    for rid in "bd":
+        assert_dumped(dump_dir, lines[rid], prompts[rid] + answers[rid], LAYERS)
+    assert_dumped(dump_dir, lines["c"], c, LAYERS)
+    assert copies == [3, 3, 2, 3, 2, 2], copies
+
+
+@pytest.mark.parametrize("taken_at_finish", [True, False])
+def test_a_finishing_answer_takes_its_staged_rows_first(dump_dir, monkeypatch, taken_at_finish):
+    """The last steps of an answer are still staged when its request finishes; the finish sends
+    them to the host before the sample is put together. The control leaves them staged: the
+    sample misses its last rows and writes nothing."""
+    dumper = start_dumper(dump_dir, LAYERS)
+    a = prompt(100, 4)
+    run_forward(dumper, [(DumpRequest("a", 4, answer=True), a, 0)])
+    decode_answer(dumper, "a", 4, [900, 901, 902])
+    if not taken_at_finish:
+        monkeypatch.setattr(dumper._staged, "holds", lambda rid: False)
+    dumper.finish_answer(finished_req("a", a, [900, 901, 902, 903]))
+    if taken_at_finish:
+        [line] = wait_for_manifest(dump_dir, ["a"])
+        assert_dumped(dump_dir, line, a + [900, 901, 902], LAYERS)
+    else:
+        assert wait_for_stats(dumper, lambda s: s["discarded"] == 1)["files"] == 0

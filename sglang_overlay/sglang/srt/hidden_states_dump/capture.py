@@ -2,13 +2,14 @@
 HiddenStatesDumper.capture, which takes the dumped requests' rows off the device without
 blocking the forward, stitches chunked prefills, and submits whole prompts to the writer; a
 request whose answer is dumped too is submitted when it finishes, its prompt's rows followed
-by those of every decode step.
+by those of every decode step (staged on the device meanwhile: staged_answers).
 """
 
 import json
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence
 
@@ -40,6 +41,7 @@ from sglang.srt.hidden_states_dump.requests import (
     on_answer_finished,
 )
 from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
+from sglang.srt.hidden_states_dump.staged_answers import StagedAnswerRows
 from sglang.srt.hidden_states_dump.store_sink import StoreDumpWriter
 from sglang.srt.hidden_states_dump.startup_checks import (
     check_patches,
@@ -217,6 +219,7 @@ class HiddenStatesDumper:
         self.graph_rows = GraphRows()  # where decode CUDA graphs leave their rows
         # Requests whose prompt is whole and whose answer is being decoded, by rid.
         self._answers: Dict[str, PartialPrompt] = {}
+        self._staged = StagedAnswerRows()  # their decode steps' rows, until they go to the host
         self.writer: Optional[DumpWriter] = None  # on the rank that writes
         if not is_writer:
             return
@@ -339,8 +342,19 @@ class HiddenStatesDumper:
             self._discard_abandoned(continuing)
         if not spans:
             return
+        blocked = 0.0
+        if not (decode and self._stage(forward_batch.input_ids, hidden_states, aux_hidden_states, spans)):
+            # Rows staged earlier reach their requests first.
+            blocked = self._take_staged()
+            blocked += self._add_rows(forward_batch.input_ids, hidden_states, aux_hidden_states, spans, replayed)
+        elapsed = time.perf_counter() - started
+        self.writer.stats.add(seconds=dict(capture_ms=elapsed - blocked))
+
+    def _add_rows(self, input_ids, hidden_states, aux_hidden_states, spans, on_forward_stream=False) -> float:
+        """Copy the spans' rows to the host and add each to its request; returns the seconds
+        the submits waited for the queue."""
         overflows = self.host_buffers.overflows
-        rows = self._copy_to_host(forward_batch, hidden_states, aux_hidden_states, spans, replayed)
+        rows = self._copy_to_host(input_ids, hidden_states, aux_hidden_states, spans, on_forward_stream)
         if self.host_buffers.overflows != overflows:
             self.writer.stats.add(host_overflows=1)
         offset, blocked = 0, 0.0
@@ -348,8 +362,27 @@ class HiddenStatesDumper:
             chunk = Chunk(rows, offset, offset + end - start)
             offset += end - start
             blocked += self._add_chunk(request, prefix_len, chunk)
-        elapsed = time.perf_counter() - started
-        self.writer.stats.add(seconds=dict(capture_ms=elapsed - blocked))
+        return blocked
+
+    def _stage(self, input_ids, hidden_states, aux_hidden_states, spans) -> bool:
+        """Stage a decode step's answer rows (StagedAnswerRows), sending those staged before to
+        the host first when they would not fit beside them; False when not staged."""
+        if not all(request.decoding for request, *_ in spans):
+            return False
+        if self._staged.stage(input_ids, hidden_states, aux_hidden_states, spans):
+            return True
+        self._take_staged()
+        return self._staged.stage(input_ids, hidden_states, aux_hidden_states, spans)
+
+    def _take_staged(self) -> float:
+        """Send the staged answer rows to the host, gathered on the stream they were staged
+        on, and add each to its request."""
+        if not len(self._staged):
+            return 0.0
+        stream = self._staged.stream
+        input_ids, hidden_states, aux_hidden_states, spans = self._staged.take()
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            return self._add_rows(input_ids, hidden_states, aux_hidden_states, spans, on_forward_stream=True)
 
     def _spans(self, forward_batch, requests, decode: bool):
         """(request, prefix_len, first row, end row) of each dumped request's rows in this
@@ -392,12 +425,12 @@ class HiddenStatesDumper:
             )
             self.writer.stats.add(discarded=1)
 
-    def _copy_to_host(self, forward_batch, hidden_states, aux_hidden_states, spans, replayed=False):
+    def _copy_to_host(self, input_ids, hidden_states, aux_hidden_states, spans, on_forward_stream=False):
         """The forward's rows in host rows that the copier fills behind the forward (in fp8
         it quantizes them first, off the scheduler thread)."""
         if self._copier is None:
             self._copier = RowsCopier(hidden_states.device)
-        device_rows, gathered = self._gather(forward_batch, hidden_states, aux_hidden_states, spans, replayed)
+        device_rows, gathered = self._gather(input_ids, hidden_states, aux_hidden_states, spans, on_forward_stream)
         fp8 = self.config.dtype == "fp8"
         layout = quantized_file_rows_like(device_rows) if fp8 else device_rows
         host_rows = self.host_buffers.rows(layout, ready=Landing())
@@ -405,24 +438,24 @@ class HiddenStatesDumper:
         self._copier.submit(device_rows, targets, gathered, host_rows.ready, fp8)
         return host_rows
 
-    def _gather(self, forward_batch, hidden_states, aux_hidden_states, spans, replayed=False):
+    def _gather(self, input_ids, hidden_states, aux_hidden_states, spans, on_forward_stream=False):
         """The forward's rows (`_rows`) and, on a CUDA device, the event they are complete
-        under: gathered there on a stream of their own, so the forward does not wait; the
-        rows of a replayed graph on the forward's own stream, before the next replay refills
-        the buffers they are taken from."""
+        under: gathered there on a stream of their own, so the forward does not wait; with
+        `on_forward_stream` (a replayed graph's rows, staged rows) on the current stream,
+        before the next replay or step refills the buffers they are taken from."""
         if hidden_states.device.type != "cuda":
-            rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans)
+            rows = self._rows(input_ids, hidden_states, aux_hidden_states, spans)
             return with_finite_rows(rows), None
-        if replayed:
-            rows = with_finite_rows(self._rows(forward_batch, hidden_states, aux_hidden_states, spans))
+        if on_forward_stream:
+            rows = with_finite_rows(self._rows(input_ids, hidden_states, aux_hidden_states, spans))
             gathered = torch.cuda.Event()
             gathered.record()
             return rows, gathered
         # Taken on the forward's stream, before the next forward can refill their buffer.
-        token_ids = self._token_ids(forward_batch, spans)
+        token_ids = self._token_ids(input_ids, spans)
         stream = self._gather_stream_after(hidden_states, aux_hidden_states)
         with torch.cuda.stream(stream):
-            rows = self._rows(forward_batch, hidden_states, aux_hidden_states, spans, token_ids)
+            rows = self._rows(input_ids, hidden_states, aux_hidden_states, spans, token_ids)
             rows = with_finite_rows(rows)
             gathered = torch.cuda.Event()
             gathered.record(stream)
@@ -441,7 +474,7 @@ class HiddenStatesDumper:
             tensor.record_stream(stream)
         return stream
 
-    def _rows(self, forward_batch, hidden_states, aux_hidden_states, spans, token_ids=None):
+    def _rows(self, input_ids, hidden_states, aux_hidden_states, spans, token_ids=None):
         """The dumped requests' rows of this forward: token ids, captured layers [T, K, H]
         in the configured order, the final state, in bf16 when SGLANG_HS_DUMP_DTYPE says
         so (fp8 is quantized by the copier). Each is the dump's own tensor, never a view of
@@ -456,7 +489,7 @@ class HiddenStatesDumper:
                 [dumped_rows(aux_hidden_states[j], spans) for j in self._aux_order], dim=1
             )
         rows = {
-            "token_ids": self._token_ids(forward_batch, spans) if token_ids is None else token_ids,
+            "token_ids": self._token_ids(input_ids, spans) if token_ids is None else token_ids,
             "hidden_states": aux_rows,
             "last_hidden_state": dumped_rows(hidden_states, spans),
         }
@@ -469,10 +502,10 @@ class HiddenStatesDumper:
         return rows
 
     @staticmethod
-    def _token_ids(forward_batch, spans) -> torch.Tensor:
+    def _token_ids(input_ids, spans) -> torch.Tensor:
         """The dumped rows' token ids, copied: the next forward may refill the buffer
         they sit in (0.5.23 does, on the CPU)."""
-        return dumped_rows(forward_batch.input_ids, spans).to(torch.int64, copy=True)
+        return dumped_rows(input_ids, spans).to(torch.int64, copy=True)
 
     def _add_chunk(self, request: DumpRequest, prefix_len: int, chunk: Chunk) -> float:
         """Add a chunk to its request and submit the request once its prompt is whole (or,
@@ -522,6 +555,8 @@ class HiddenStatesDumper:
         answer's, one row for each token fed back (origin_input_ids + output_ids[:-1]; the
         overlap scheduler's step past the finish is cut). A request that was aborted or
         retracted, or whose rows are missing, writes nothing."""
+        if self._staged.holds(req.rid):
+            self._take_staged()
         partial = self._answers.pop(req.rid, None)
         if partial is None:
             return
