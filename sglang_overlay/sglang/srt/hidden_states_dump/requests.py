@@ -114,11 +114,13 @@ def requests_to_dump(reqs, is_extend: bool = True) -> Optional[List[Optional[Dum
     without one; None when dumping is off."""
     if not dump_enabled():
         return None
+    # A plain set of the few requests answering: a WeakSet makes a weak reference per lookup.
+    answering = set(_answering)
     if not is_extend:
-        if not _answering:
+        if not answering:
             return []
-        return [answer_rows(req) if req in _answering else None for req in reqs]
-    return [prompt_rows(req) if wants_dump(req) else answer_rows(req) if req in _answering else None for req in reqs]
+        return [answer_rows(req) if req in answering else None for req in reqs]
+    return [prompt_rows(req) if wants_dump(req) else answer_rows(req) if req in answering else None for req in reqs]
 
 
 def prompt_rows(req) -> DumpRequest:
