@@ -388,12 +388,17 @@ class HiddenStatesDumper:
         """(request, prefix_len, first row, end row) of each dumped request's rows in this
         forward (its prompt's, or a decoded token's), and the rids whose prompt it continues."""
         if decode:
-            # One row a request, the token at its last position.
-            prefix_lens = (forward_batch.seq_lens_cpu - 1).tolist()
-            extend_lens = [1] * len(requests)
-        else:
-            prefix_lens = forward_batch.extend_prefix_lens_cpu
-            extend_lens = forward_batch.extend_seq_lens_cpu
+            # One row a request, the token at its last position: an answer's. Only the
+            # dumped requests are looked at (a batch holds few among many).
+            seq_lens = forward_batch.seq_lens_cpu
+            spans = [
+                (request if request.decoding else replace(request, decoding=True), int(seq_lens[row]) - 1, row, row + 1)
+                for row, request in enumerate(requests)
+                if request is not None and request.answer
+            ]
+            return spans, set()
+        prefix_lens = forward_batch.extend_prefix_lens_cpu
+        extend_lens = forward_batch.extend_seq_lens_cpu
         spans, continuing = [], set()
         start = 0
         for request, prefix_len, extend_len in zip(requests, prefix_lens, extend_lens):
