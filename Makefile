@@ -27,7 +27,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR)):$(abspath $(LIBIBVERBS_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release test-acceptance demo demo-online generate bench bench-acceptance acceptance-bundle acceptance-table bench-generate bench-generate-servers bench-writer bench-checksum bench-export clean
+.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release test-acceptance demo demo-online generate bench bench-acceptance acceptance-bundle acceptance-table bench-generate bench-generate-servers bench-writer bench-checksum bench-answer-steps bench-export clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -185,6 +185,10 @@ BENCH_CHECKSUM_DIR ?= /dev/shm/bench-checksum
 bench-checksum: apply runtime ## the dump's checksum: XXH3-128 (and hashlib's) per core, and the writer with and without it on BENCH_CHECKSUM_DIR (scripts/bench/checksum.py) into results/bench-checksum-<host kind>.json
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.checksum --dir $(BENCH_CHECKSUM_DIR) \
 		--out results/bench-checksum-$(if $(shell command -v nvidia-smi),gpu,cpu).json
+
+bench-answer-steps: apply runtime ## the dump's time per decode step that carries dumped answers, staged and not (scripts/bench/answer_steps.py [BENCH_ARGS]) into results/bench-answer-steps-<host kind>-<version>.json
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m scripts.bench.answer_steps $(BENCH_ARGS) \
+		--out results/bench-answer-steps-$(if $(shell command -v nvidia-smi),gpu,cpu)-$(VERSION).json
 
 BENCH_EXPORT_DIR ?= .cache/bench-export
 bench-export: apply runtime ## both exports vs dd reading and writing on BENCH_EXPORT_DIR's filesystem (scripts/bench/export.py) into results/bench-export-<host kind>.json

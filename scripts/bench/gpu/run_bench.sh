@@ -4,7 +4,8 @@
 # `writer` runs scripts/bench/writer.py (the dump writer alone, on the disk and on
 # /dev/shm), `writer-disk` the writer alone on the disk with 4 threads in bf16 and fp8,
 # `writer-busy` the writer alone on /dev/shm with 4 threads beside a busy Python thread and not,
-# `pinned` scripts/bench/pinned.py (pinned host allocations, cold and warm), `fp8-rows`
+# `pinned` scripts/bench/pinned.py (pinned host allocations, cold and warm), `answer-steps`
+# scripts/bench/answer_steps.py (the dump's time per decode step of dumped answers), `fp8-rows`
 # scripts/bench/fp8_rows.py (fp8 quantization of a forward's rows, PyTorch against the
 # kernel); any other name
 # is a scripts/bench/dump.py suite, run with the preset BENCH_PRESET (default gpu; gpu-rank:
@@ -63,6 +64,9 @@ for suite in "$@"; do
     elif [ "$suite" = pinned ]; then
         python3 -m scripts.bench.pinned --out "$OUT/bench-pinned.json" > "$OUT/bench-pinned.txt" 2>&1 || status=1
         tail -n 12 "$OUT/bench-pinned.txt"
+    elif [ "$suite" = answer-steps ]; then
+        python3 -m scripts.bench.answer_steps --out "$OUT/bench-answer-steps.json" > "$OUT/bench-answer-steps.txt" 2>&1 || status=1
+        tail -n 3 "$OUT/bench-answer-steps.txt"
     else
         suites+=(--suite "$suite")
     fi
