@@ -138,7 +138,6 @@ def main() -> None:
 
     dtype = torch.bfloat16 if run.device != "cpu" else torch.float32
     per_step = {name: [] for name in CONTENDERS}
-    checked = {}
     with tempfile.TemporaryDirectory() as dump_dir:
         dumper = make_dumper(dump_dir, run.layers, run.layers + 2, dtype)
         rid, files = 0, 0

@@ -367,8 +367,6 @@ class HiddenStatesDumper:
     def _stage(self, input_ids, hidden_states, aux_hidden_states, spans) -> bool:
         """Stage a decode step's answer rows (StagedAnswerRows), sending those staged before to
         the host first when they would not fit beside them; False when not staged."""
-        if not all(request.decoding for request, *_ in spans):
-            return False
         if self._staged.stage(input_ids, hidden_states, aux_hidden_states, spans):
             return True
         self._take_staged()
