@@ -22,6 +22,13 @@ READY_LINE = "The server is fired up and ready to roll!"
 LISTENING_LINE = "Uvicorn running on"  # uvicorn starts once the scheduler has loaded the model
 # How long a server gets to start: to be ready, or to refuse its settings and exit.
 STARTUP_TIMEOUT_S = 600
+# A wait given `stall_timeout` ends, besides on what it waits for, when the server's log has
+# not grown for that long. Load on the cores slows a starting server but does not stop it, so
+# a test can wait for what the server does (ready, or its exit) instead of a clock that load
+# outruns: eight ranks starting on two cores beside other servers took from 3 to more than 10
+# minutes. Its processes' CPU time tells nothing here: eight ranks hung in a gloo collective
+# still spent a third of a core between them.
+STALL_TIMEOUT_S = 300
 PR_SET_PDEATHSIG = 1
 
 
@@ -163,31 +170,49 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
-        """Return once warmup is done; raise ServerFailed (with the log) if the server exits or times out."""
-        return self._wait_for_line(READY_LINE, "ready", timeout)
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S, stall_timeout: Optional[float] = None) -> "Server":
+        """Return once warmup is done; raise ServerFailed (with the log) if the server exits,
+        times out, or (with `stall_timeout`) its log stays unchanged that long."""
+        return self._wait_for_line(READY_LINE, "ready", timeout, stall_timeout)
 
-    def wait_listening(self, timeout: float = STARTUP_TIMEOUT_S) -> "Server":
+    def wait_listening(self, timeout: float = STARTUP_TIMEOUT_S, stall_timeout: Optional[float] = None) -> "Server":
         """Return once the HTTP server listens: the model is loaded and its memory taken,
         warmup has yet to run. Raises ServerFailed as wait_ready does."""
-        return self._wait_for_line(LISTENING_LINE, "listening", timeout)
+        return self._wait_for_line(LISTENING_LINE, "listening", timeout, stall_timeout)
 
-    def _wait_for_line(self, line: str, what: str, timeout: float) -> "Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def _wait_for_line(self, line: str, what: str, timeout: float, stall_timeout: Optional[float]) -> "Server":
+        def reached():
             if line in self.log():
-                return self
+                return True
             if self.process.poll() is not None:
                 raise ServerFailed(f"server exited with code {self.process.returncode} before it was {what}:\n"
                                    f"{self.log()[-6000:]}")
-            time.sleep(0.5)
-        raise ServerFailed(f"server not {what} after {timeout:.0f}s:\n{self.log()[-6000:]}")
+            return False
 
-    def wait_exit(self, timeout: float) -> int:
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise ServerFailed(f"server still running after {timeout:.0f}s:\n{self.log()[-6000:]}")
+        self._wait(reached, what, timeout, stall_timeout)
+        return self
+
+    def wait_exit(self, timeout: float, stall_timeout: Optional[float] = None) -> int:
+        """The exit code once the server has exited; ServerFailed if it runs past `timeout`
+        or (with `stall_timeout`) its log stays unchanged that long."""
+        self._wait(lambda: self.process.poll() is not None, "exited", timeout, stall_timeout)
+        return self.process.returncode
+
+    def _wait(self, reached: Callable[[], bool], what: str, timeout: float, stall_timeout: Optional[float]) -> None:
+        start = time.monotonic()
+        progress, progressed_at = self.log_path.stat().st_size, start
+        while not reached():
+            now = time.monotonic()
+            if now - start > timeout:
+                raise ServerFailed(f"server not {what} after {timeout:.0f}s:\n{self.log()[-6000:]}")
+            if stall_timeout is not None:
+                seen = self.log_path.stat().st_size
+                if seen != progress:
+                    progress, progressed_at = seen, now
+                elif now - progressed_at > stall_timeout:
+                    raise ServerFailed(f"server not {what} and its log unchanged for {stall_timeout:.0f}s:\n"
+                                       f"{self.log()[-6000:]}")
+            time.sleep(0.5)
 
     def post(self, path: str, body: dict, timeout: float = 300) -> dict:
         payload = self.post_raw(path, body, timeout)

@@ -1,8 +1,11 @@
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from scripts.dumps.tiny_model import ensure_kimi_model, ensure_model
+from scripts.paths import REPO_ROOT
 from tests.server.dump_checks import dump_export_prompts
 
 # A test stops its server with SIGTERM to the process group; SGLang (0.5.23) takes the
@@ -22,6 +25,12 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # passively, the three took 141 s. Alone a passive server is slower (109 s against 66), which
 # the tests, never timed, can afford; benchmarks keep OpenMP's default.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# From 0.5.23 on SGLang's registry takes the model classes of an external package instead of
+# importing every model module it has (tests/server/served_models: the two the tests serve),
+# 7 CPU-seconds of each server process's start; earlier releases register the package over
+# their own modules, which saves nothing, so it is set where it pays.
+if tuple(map(int, os.environ["SGLANG_VERSION"].split("."))) >= (0, 5, 23):
+    os.environ.setdefault("SGLANG_EXTERNAL_MODEL_PACKAGE", "tests.server.served_models")
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +59,15 @@ def export_dump(model_l3, tmp_path_factory):
     """A small bf16 dump the export tests read (dump_checks.dump_export_prompts)."""
     return dump_export_prompts(model_l3, tmp_path_factory.mktemp("export") / "dump")
 
+
+
+@pytest.fixture
+def naive_tree(tmp_path):
+    """A scratch checkout of upstream with the seed's naive patch instead of this series."""
+    checkout = Path(os.environ["SGLANG_CHECKOUT"])
+    tree = tmp_path / "naive"
+    patch = REPO_ROOT / "tests" / "fixtures" / f"naive-capture-{os.environ['SGLANG_VERSION']}.patch"
+    subprocess.run(["git", "-C", checkout, "worktree", "add", "--detach", "-q", tree, "upstream"], check=True)
+    subprocess.run(["git", "-C", tree, "apply", patch], check=True)
+    yield tree
+    subprocess.run(["git", "-C", checkout, "worktree", "remove", "--force", tree], check=True)
