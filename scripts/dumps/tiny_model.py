@@ -33,6 +33,15 @@ WIDTHS = {
         kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
         n_routed_experts=8, num_experts_per_tok=2,
     ),
+    # The cpu widths with eight heads, which every tensor-parallel size up to 8 divides: SGLang
+    # pads heads that do not divide on the CPU (configs/update_config.py), and a padded
+    # 4-head model at TP8 dumped a row 0.1 away from TP1's (a token that switched experts).
+    "cpu-8heads": dict(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=96,
+        kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+        n_routed_experts=8, num_experts_per_tok=2,
+    ),
     "deepseek": dict(
         hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
         num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128,
@@ -136,9 +145,11 @@ def save_for_sglang(model, path: Path) -> None:
 # Kimi-K2.5's vision tower (MoonViT) and projector at their smallest. Text prompts never run
 # them and SGLang loads only the weights a checkpoint holds, so the checkpoint has none.
 # SGLang's tower reads hidden_size, its projector vt_hidden_size (Kimi-K2.5's own name).
+# Eight heads: SGLang splits the tower's attention heads over the tensor-parallel ranks
+# (VisionAttention), so a TP8 server needs a number that 8 divides.
 KIMI_VISION = dict(
     num_hidden_layers=1, hidden_size=64, vt_hidden_size=64, intermediate_size=128,
-    num_attention_heads=2, patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8,
+    num_attention_heads=8, patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8,
     init_pos_emb_time=4, merge_kernel_size=[2, 2], mm_hidden_size=64,
 )
 # The media settings of Kimi-K2.5's preprocessor_config.json, on the tower's patches.
@@ -147,6 +158,7 @@ KIMI_MEDIA = dict(
     in_patch_limit=16384, patch_limit_on_one_side=512, image_mean=[0.5] * 3, image_std=[0.5] * 3,
 )
 KIMI_PROCESSOR = Path(__file__).with_name("tiny_kimi_processor.py")
+KIMI_VISION_VERSION = 2  # part of the cache name: a change to the tower regenerates the model
 
 
 def ensure_kimi_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
@@ -160,7 +172,7 @@ def ensure_kimi_model(layers: int = 3, q_lora: bool = True, widths: str = "cpu",
     from scripts.dumps.tiny_tokenizer import write_tokenizer
 
     text_model = ensure_model(layers, q_lora, widths, hidden_size, cache)
-    path = cache / f"kimi-k25-{'int4-' if int4 else ''}{text_model.name}"
+    path = cache / f"kimi-k25-{'int4-' if int4 else ''}vision{KIMI_VISION_VERSION}-{text_model.name}"
     if (path / "config.json").exists() and any(path.glob("*.safetensors")):
         return path
     from safetensors.torch import load_file, save_file
