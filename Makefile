@@ -27,7 +27,7 @@ SCRIPT_ARGS := --version $(VERSION) $(if $(SGLANG_DIR),--dir $(SGLANG_DIR)) $(if
 RUNTIME_ENV := SGLANG_VERSION=$(VERSION) SGLANG_CHECKOUT=$(abspath $(CHECKOUT)) PYTHONPATH=$(abspath $(CHECKOUT)):$(CURDIR) \
 	LD_LIBRARY_PATH=$(abspath $(LIBCUDA_STUB_DIR)):$(abspath $(LIBIBVERBS_DIR))$(if $(LD_LIBRARY_PATH),:$(LD_LIBRARY_PATH))
 
-.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-release test-acceptance demo demo-online generate bench bench-acceptance acceptance-bundle acceptance-table bench-generate bench-generate-servers bench-writer bench-checksum bench-answer-steps bench-export clean
+.PHONY: help tools runtime apply verify revert refresh-patches readme-tables port port-continue port-skip port-abort test test-tools test-matrix test-warmup test-unit test-server test-tensor-parallel test-release test-acceptance demo demo-online generate bench bench-acceptance acceptance-bundle acceptance-table bench-generate bench-generate-servers bench-writer bench-checksum bench-answer-steps bench-export clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 20
@@ -118,8 +118,14 @@ test-unit: apply runtime ## unit tests of the patched SGLang code on CPU tensors
 test-warmup: apply runtime ## real server: warmup plus one prefill with dumping on, and the negative controls
 	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q $(call xdist,load) tests/server/test_warmup.py $(PYTEST_ARGS)
 
-test-server: apply runtime ## every real-server test for VERSION, and the online trainer side's (tests/online: a real Mooncake store; SGLang-free, so once)
-	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q $(call xdist,loadfile) tests/server tests/online $(PYTEST_ARGS)
+test-server: apply runtime ## every real-server test for VERSION but the tensor-parallel ones, and the online trainer side's (tests/online: a real Mooncake store; SGLang-free, so once)
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q $(call xdist,loadfile) tests/server tests/online \
+		--ignore tests/server/test_tensor_parallel.py $(PYTEST_ARGS)
+
+# Eight ranks of one server fill the machine by themselves (twelve processes, about 9 GB):
+# the tensor-parallel tests run one at a time, after the other server tests.
+test-tensor-parallel: apply runtime ## real servers of eight CPU ranks (--tp-size 8): written once, rows, DP attention, the naive patch, faults, refusals
+	$(RUNTIME_ENV) $(RUNTIME_PY) -m pytest -q tests/server/test_tensor_parallel.py $(PYTEST_ARGS)
 
 test-release: test-unit test-server ## unit and server tests for VERSION
 

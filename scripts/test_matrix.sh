@@ -24,9 +24,9 @@ for version in "$@"; do whole_suite "$version" || ordered+=("$version"); done
 
 test_release() {  # test_release VERSION: its unit tests, then its server tests (and the acceptance smoke on SPECFORGE_RELEASE)
     local server=test-warmup markers="not same_on_every_release" acceptance=()
-    whole_suite "$1" && server=test-server markers=
+    whole_suite "$1" && server="test-server test-tensor-parallel" markers=
     [ "$1" = "${SPECFORGE_RELEASE:-}" ] && acceptance=(test-acceptance)
-    "$make" --no-print-directory test-unit "$server" "${acceptance[@]}" SGLANG_VERSION="$1" UNIT_MARKERS="$markers" "${dir_arg[@]}"
+    "$make" --no-print-directory test-unit $server "${acceptance[@]}" SGLANG_VERSION="$1" UNIT_MARKERS="$markers" "${dir_arg[@]}"
     local status=$?
     [ -n "${PRUNE_RUNTIMES:-}" ] && rm -rf ".venv/sglang-$1"
     return $status

@@ -32,13 +32,16 @@ ROW_TOLERANCE = 0.0 if not has_gpu() else 1e-2
 class OracleServer(Server):
     """A server (not started) that dumps into tmp_path/dump while the oracle's hooks record
     into tmp_path/oracle, its oracle_dir, on the decoder at module path `decoder` (decode-only
-    forwards too with `record_decode`)."""
+    forwards too with `record_decode`; under tensor parallelism on rank `oracle_rank` alone;
+    the experts of `moe_layers` too)."""
 
     def __init__(self, model, tmp_path, num_layers: int, extra_args: Sequence[str] = (), decoder: str = "model",
-                 extra_hooks: Sequence[dict] = (), record_decode: bool = False, **env):
+                 extra_hooks: Sequence[dict] = (), record_decode: bool = False, oracle_rank: Optional[int] = None,
+                 moe_layers: Sequence[int] = (), **env):
         self.oracle_dir = tmp_path / "oracle"
         self.oracle_dir.mkdir()
-        specs = oracle_hooks.hook_specs(self.oracle_dir, num_layers, decoder, decode=record_decode)
+        specs = oracle_hooks.hook_specs(self.oracle_dir, num_layers, decoder, decode=record_decode, rank=oracle_rank,
+                                        moe_layers=moe_layers)
         hooks = json.dumps(specs + list(extra_hooks))
         super().__init__(model, tmp_path / "server.log",
                          runtime_env(SGLANG_HS_DUMP_DIR=str(tmp_path / "dump"), **env),

@@ -15,6 +15,10 @@ into the dump's rows before it looks for non-finite ones (the forward stays fini
 `report_pid`: writes the scheduler's process id to a file, so a test can set that process's
 limits, and its writer process's, from outside them (`resource.prlimit`), while it serves.
 
+`fail_in_the_dump`: the dump's capture raises on one tensor-parallel rank: at its first call
+(the warmup's forward), or at the first forward that holds a dumped request whose rid starts
+with a prefix. It touches a marker file first, so a test knows when it fired.
+
 The hooks themselves do nothing; the factories are the way into the scheduler process.
 """
 
@@ -106,3 +110,31 @@ def poison_rows_spec(rid_prefix: str) -> str:
 
     return json.dumps([{"name": "poison_rows", "target_modules": ["model.norm"],
                         "hook_factory": "tests.server.fault_hooks:poison_rows", "config": {"rid_prefix": rid_prefix}}])
+
+
+def fail_in_the_dump(config):
+    import torch.distributed as dist
+    from sglang.srt.hidden_states_dump.capture import HiddenStatesDumper
+
+    rank, prefix, marker = int(config["rank"]), config.get("rid_prefix"), Path(config["marker"])
+    if not dist.is_initialized() or dist.get_rank() != rank:
+        return lambda module, inputs, output: None
+    capture = HiddenStatesDumper.capture
+
+    def failing_capture(self, forward_batch, *args, **kwargs):
+        requests = forward_batch.hidden_states_dump_requests or ()
+        if prefix is None or any(r is not None and r.rid.startswith(prefix) for r in requests):
+            marker.touch()
+            raise RuntimeError(f"injected failure in the dump on rank {rank}")
+        return capture(self, forward_batch, *args, **kwargs)
+
+    HiddenStatesDumper.capture = failing_capture
+    return lambda module, inputs, output: None
+
+
+def fail_in_the_dump_spec(rank: int, marker: Path, rid_prefix=None) -> str:
+    import json
+
+    return json.dumps([{"name": "fail_in_the_dump", "target_modules": ["model.norm"],
+                        "hook_factory": "tests.server.fault_hooks:fail_in_the_dump",
+                        "config": {"rank": rank, "marker": str(marker), "rid_prefix": rid_prefix}}])

@@ -7,7 +7,8 @@ different path than the patched capture code:
 - `model.layers.{i}`: returns (hidden_states, residual), whose sum is the residual stream
   entering layer i+1 (SGLang defers the residual add into the next layer's norm); its first
   input is the forward's positions;
-- `model.norm`: the final normed hidden state the LM head reads.
+- `model.norm`: the final normed hidden state the LM head reads;
+- `model.layers.{i}.mlp.topk` (when asked): the experts each row took in MoE layer i.
 Those are DeepseekV3ForCausalLM's names; a model that wraps it names its decoder by another
 path (Kimi-K2.5: `language_model.model`).
 
@@ -25,7 +26,7 @@ prompts across batched and chunked forwards.
 import itertools
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, Hashable, List, NamedTuple, Sequence, Set
+from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Set
 
 import torch
 
@@ -41,12 +42,19 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 def record_output(config):
     out_dir = Path(config["dir"])
     kind = config["kind"]
+    # Under tensor parallelism every rank's forward count names the same files: one rank
+    # saves. Every rank still takes the values: on 0.5.23 reading the residual stream
+    # (`snapshot`) may run the layer boundary's all-reduce, which a rank that skipped it
+    # would leave its peers waiting in (eight ranks hung at warmup when only rank 0 read).
+    saves = config.get("rank") is None or _process_rank() == config["rank"]
 
     def hook(module, inputs, output):
         if kind == "embed":
             _record.clear()
             _record["input_ids"] = _host(inputs[0]).to(torch.int64)
             _record["0"] = _host(output)
+        elif kind == "experts":
+            _record[f"experts.{config['index']}"] = _host(output.topk_ids).sort(dim=-1).values
         elif kind == "layer":
             positions, forward_batch = inputs[0], inputs[2]
             stream = getattr(forward_batch, "residual_stream", None)
@@ -65,20 +73,31 @@ def record_output(config):
             value = output[0] if isinstance(output, tuple) else output
             record = dict(_record, last=_host(value))
             _record.clear()
-            if not record.pop("decode_only") or config.get("decode"):
+            if saves and (not record.pop("decode_only") or config.get("decode")):
                 torch.save(record, out_dir / f"forward.{next(_forwards):05d}.pt")
 
     return hook
 
 
-def hook_specs(out_dir: Path, num_layers: int, decoder: str = "model", decode: bool = False) -> List[dict]:
+def _process_rank() -> int:
+    """This scheduler process's rank in the server's process group (0 without one)."""
+    import torch.distributed
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def hook_specs(out_dir: Path, num_layers: int, decoder: str = "model", decode: bool = False,
+               rank: Optional[int] = None, moe_layers: Sequence[int] = ()) -> List[dict]:
     """The --forward-hooks entries for the decoder at module path `decoder`; target names
-    are exact (a pattern would match submodules). `decode`: decode-only forwards are saved too."""
+    are exact (a pattern would match submodules). `decode`: decode-only forwards are saved too.
+    `rank`: only the scheduler process of that rank saves (tensor parallelism). `moe_layers`:
+    the experts each row took in those layers are recorded too (`experts.<i>`, sorted ids)."""
     targets = [("embed", f"{decoder}.embed_tokens", {"kind": "embed"}), ("norm", f"{decoder}.norm", {"kind": "norm"})]
     targets += [(f"layer{i}", f"{decoder}.layers.{i}", {"kind": "layer", "index": i}) for i in range(num_layers)]
+    targets += [(f"experts{i}", f"{decoder}.layers.{i}.mlp.topk", {"kind": "experts", "index": i}) for i in moe_layers]
     return [
         {"name": name, "target_modules": [module], "hook_factory": "tests.server.oracle_hooks:record_output",
-         "config": {"dir": str(out_dir), "decode": decode, **config}}
+         "config": {"dir": str(out_dir), "decode": decode, "rank": rank, **config}}
         for name, module, config in targets
     ]
 
