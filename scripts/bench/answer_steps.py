@@ -46,11 +46,15 @@ def make_dumper(dump_dir: str, layers: int, num_layers: int, dtype: torch.dtype)
     return HiddenStatesDumper(config, metadata, is_writer=True, reserve_bytes=256 << 20)
 
 
-def finished_req(rid, prompt, fed):
-    """A scheduler Req as finish_answer reads it: its last token never fed back."""
-    return SimpleNamespace(rid=rid, origin_input_ids=prompt, output_ids=fed + [0], retraction_count=0,
-                           finished_reason=SimpleNamespace(to_json=lambda: {"type": "length"}),
-                           customized_info=None)
+class FinishedReq:
+    """A scheduler Req as finish_answer reads it, hashed by identity as a Req is (the dump
+    keeps where its sample is by it): its last token never fed back."""
+
+    def __init__(self, rid, prompt, fed):
+        self.rid, self.origin_input_ids, self.output_ids = rid, prompt, fed + [0]
+        self.retraction_count, self.customized_info, self.send_token_offset = 0, None, 0
+        self.finished_reason = SimpleNamespace(to_json=lambda: {"type": "length"})
+
 
 
 def round_seconds(dumper, run, device, dtype, steps: int, first_rid: int):
@@ -102,13 +106,13 @@ def round_seconds(dumper, run, device, dtype, steps: int, first_rid: int):
         done = [slot for slot in slots if len(live[slot][1]) >= live[slot][2]]
         for slot in done:
             rid, fed, _ = live[slot]
-            dumper.finish_answer(finished_req(rid, prompt, fed))
+            dumper.finish_answer(FinishedReq(rid, prompt, fed))
         seconds.append(time.perf_counter() - started)
         for slot in done:
             finished += 1
             start(slot, run.answer_tokens)
     for rid, fed, _ in live.values():  # the round's last answers end here, shorter
-        dumper.finish_answer(finished_req(rid, prompt, fed))
+        dumper.finish_answer(FinishedReq(rid, prompt, fed))
     return seconds, finished + len(live), next_rid
 
 

@@ -4,18 +4,36 @@ decline, exactly those RequestSample's keyed hash takes under the server's seed 
 binomial bounds; every request that asks; never a private or declining one, whatever else it
 sets. Fraction 0 dumps only those that ask. The manifest lines record the sample and whether
 each request asked; the responses report where only the dumped ones are. (A bad setting
-stops the server: test_warmup's invalid settings.)"""
+stops the server: test_warmup's invalid settings.)
+
+On a server dumping every request (fraction 1, as live traffic was checked), streaming whole
+chunks or incremental ones: every dumped request's last output says where its sample is,
+streamed or not, prompt only or with its answer, at lengths either side of the 50 tokens at
+which SGLang sends a non-streamed request's outputs; a request that declines reports none
+(the negative control)."""
 
 import json
 import math
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional
 
 import pytest
 from sglang.srt.hidden_states_dump.config import RequestSample
 
-from scripts.dump_format import DUMP_PARAM, META_INFO_KEY, PRIVATE_PARAM, REQUEST_SAMPLE_FIELD, read_manifest
+from scripts.dump_format import (
+    ANSWER_PARAM,
+    ANSWER_TOKENS_FIELD,
+    DUMP_PARAM,
+    META_INFO_KEY,
+    PRIVATE_PARAM,
+    REQUEST_SAMPLE_FIELD,
+    read_manifest,
+    sample_name,
+)
 from scripts.dumps.generate import Client
 from scripts.dumps.server import Server, runtime_env
+from tests.server.dump_checks import RELEASE
 from tests.server.test_generate import DUMP_LAYERS
 from tests.server.test_regenerate import wait_for
 
@@ -76,3 +94,82 @@ def test_the_server_dumps_its_sample_and_the_requests_that_ask(model_l3, tmp_pat
         assert {rid for rid in live if other.takes(rid)} != dumped & set(live)
     else:
         assert taken == 0
+
+
+# The held-out check's prompt, and new tokens either side of SGLang's force stream interval: a
+# non-streamed request's outputs go every 50 tokens (SGLANG_FORCE_STREAM_INTERVAL) and at its
+# finish, a streamed one's every token.
+LIVE_PROMPT = [2, 3, 7, 10, 11, 12, 13, 4, 3, 8]
+LENGTHS = (49, 50, 51, 120)
+
+
+# SGLang streams a response in one of two ways: each chunk holds everything so far (the
+# default), or only what is new (its meta_info then holds the values of the chunk's own tokens).
+INCREMENTAL_STREAMING = ["--incremental-streaming-output"] if RELEASE >= (0, 5, 14) else ["--stream-output"]
+
+
+@pytest.fixture(scope="module", params=["whole chunks", "incremental chunks"])
+def dumping_every_request(model_l3, tmp_path_factory, request):
+    """A server dumping every request (SGLANG_HS_DUMP_SAMPLE=1), its dump folder, and
+    whether it streams incrementally."""
+    tmp = tmp_path_factory.mktemp("every-request")
+    out = tmp / "dump"
+    env = runtime_env(SGLANG_HS_DUMP_DIR=str(out), SGLANG_HS_DUMP_LAYERS=DUMP_LAYERS, SGLANG_HS_DUMP_SAMPLE="1")
+    incremental = request.param == "incremental chunks"
+    with Server(model_l3, tmp / "server.log", env, INCREMENTAL_STREAMING if incremental else []) as server:
+        server.wait_ready()
+        yield server, out, incremental
+
+
+def outputs(server, body: dict, stream: bool) -> List[dict]:
+    """A /generate request's outputs as its client gets them: the answer, or every streamed
+    chunk in order."""
+    request = urllib.request.Request(f"{server.url}/generate", data=json.dumps(dict(body, stream=stream)).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        if not stream:
+            return [json.loads(response.read())]
+        return [json.loads(line[len(b"data: "):]) for line in map(bytes.strip, response)
+                if line.startswith(b"data: ") and line != b"data: [DONE]"]
+
+
+def live_body(rid: str, max_new_tokens: int, custom_params) -> dict:
+    return {"rid": rid, "input_ids": LIVE_PROMPT, "sampling_params": {
+        "temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True, "custom_params": custom_params}}
+
+
+def reported_sample(output: dict) -> Optional[str]:
+    """The sample an output says its request's is (None: it names none)."""
+    reported = [location for location in output["meta_info"].get(META_INFO_KEY) or [] if location]
+    assert len(reported) <= 1, reported
+    return sample_name(reported[0]) if reported else None
+
+
+def test_every_dumped_requests_last_output_says_where_its_sample_is(dumping_every_request):
+    server, out, incremental = dumping_every_request
+    asks = {"prompt": {}, "answer": {ANSWER_PARAM: True}, "declined": {DUMP_PARAM: False}}
+    cases = {f"{kind}-{n}-{'streamed' if stream else 'whole'}": (kind, n, stream)
+             for kind in ("prompt", "answer") for n in LENGTHS for stream in (False, True)}
+    # The negative control: requests that decline are answered, not dumped, and report nothing.
+    cases.update({f"declined-51-{'streamed' if stream else 'whole'}": ("declined", 51, stream) for stream in (False, True)})
+    # All at once: batch outputs mix requests that report a location with requests that do not.
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = dict(zip(cases, pool.map(
+            lambda item: outputs(server, live_body(item[0], item[1][1], asks[item[1][0]]), item[1][2]), cases.items())))
+    dumped = {rid for rid, (kind, _, _) in cases.items() if kind != "declined"}
+    wait_for(lambda: dumped <= {e["rid"] for e in read_manifest(str(out))}, "every dumped request's line")
+    entries = {e["rid"]: e for e in read_manifest(str(out))}
+
+    for rid, (kind, n, stream) in cases.items():
+        last = answers[rid][-1]
+        assert last["meta_info"]["finish_reason"]["type"] == "length", (rid, last["meta_info"])
+        sent = sum(len(a["output_ids"]) for a in answers[rid]) if stream and incremental else len(last["output_ids"])
+        assert sent == n and (len(answers[rid]) > 1) == stream, rid
+        if kind == "declined":
+            assert rid not in entries and reported_sample(last) is None, (rid, last["meta_info"])
+            continue
+        assert reported_sample(last) == entries[rid]["file"], (rid, last["meta_info"].get(META_INFO_KEY))
+        if kind == "answer":
+            assert entries[rid][ANSWER_TOKENS_FIELD] == n - 1, entries[rid]
+        else:
+            assert ANSWER_TOKENS_FIELD not in entries[rid], entries[rid]

@@ -1,5 +1,6 @@
 """Stand-ins the dump module's unit tests share: a model whose every row says which token
-and which layer it belongs to, a forward batch, and ways to wait for and check the files.
+and which layer it belongs to, a forward batch, a scheduler's request, and ways to wait for
+and check the files.
 
 Row values are `token_id * 1000 + layer_id * 10 + column`, and the final normed state is
 its negative. Token ids are distinct across all prompts of a test, so a row taken from the
@@ -22,6 +23,7 @@ from sglang.srt.hidden_states_dump.config import DumpConfig
 from sglang.srt.hidden_states_dump.format import (
     CHECKSUM_FIELD,
     MANIFEST_NAME,
+    META_INFO_KEY,
     checksum_of,
     file_metadata,
     load_dump,
@@ -62,6 +64,33 @@ def stand_in_metadata(layer_ids: List[int], dtype=None) -> dict:
 
 
 RESERVE_BYTES = 1 << 20  # host memory the stand-in dumper reserves for rows
+
+
+class SchedulerReq:
+    """A scheduler Req as the dump's hooks read it, hashed and weakly referenced by identity
+    as a Req is (the dump keeps the requests answering, and where their samples are, by it)."""
+
+    def __init__(self, rid, origin_input_ids=(5, 6, 7), output_ids=(), custom_params=None, retraction_count=0,
+                 stream=False, max_new_tokens=128):
+        self.rid, self.stream = rid, stream
+        self.origin_input_ids, self.output_ids = list(origin_input_ids), list(output_ids)
+        self.sampling_params = SimpleNamespace(custom_params=custom_params, max_new_tokens=max_new_tokens)
+        self.to_finish, self.finished_reason, self.retraction_count = None, None, retraction_count
+        self.customized_info = None
+        self.send_token_offset = 0  # output tokens sent before the next output
+
+    def finish(self, how: str = "length") -> "SchedulerReq":
+        self.finished_reason = SimpleNamespace(to_json=lambda: {"type": how})
+        return self
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+
+def next_output_reports(req: SchedulerReq) -> list:
+    """What the request's next output carries under META_INFO_KEY: SGLang's scheduler sends
+    an output the customized_info values of the tokens it sends, from send_token_offset on."""
+    return (req.customized_info or {}).get(META_INFO_KEY, [])[req.send_token_offset:]
 
 
 def start_dumper(dump_dir, layer_ids: List[int], dp_rank: int = 0, dtype=None,

@@ -1,8 +1,9 @@
 """Dumped answers, driven as the model and the scheduler drive them: which requests of a
-batch carry their answer's rows (requests.requests_to_dump, finish_answers), and the dumper
-stitching a prompt's rows and its decode steps' rows into one sample at the request's finish,
-cutting the overlap scheduler's step past the finish, and writing nothing for a request that
-was aborted or retracted, whose rows have a gap, or whose rows hold other tokens."""
+batch carry their answer's rows (requests.requests_to_dump, finish_dumped_requests), and the
+dumper stitching a prompt's rows and its decode steps' rows into one sample at the request's
+finish, cutting the overlap scheduler's step past the finish, and writing nothing for a
+request that was aborted or retracted, whose rows have a gap, or whose rows hold other tokens;
+the request's last output, and no output before it, saying where its sample is."""
 
 from types import SimpleNamespace
 
@@ -13,7 +14,9 @@ from sglang.srt.hidden_states_dump.capture import with_answer_in_loss
 from sglang.srt.hidden_states_dump.format import ANSWER_PARAM, ANSWER_TOKENS_FIELD, META_INFO_KEY, PRIVATE_PARAM
 from sglang.srt.hidden_states_dump.requests import DumpRequest
 from tests.unit.dump_standins import (
+    SchedulerReq,
     assert_dumped,
+    next_output_reports,
     prompt,
     run_decode,
     run_forward,
@@ -27,9 +30,7 @@ LAYERS = [0, 2, 4]
 
 def finished_req(rid, origin, output, finish="length", retractions=0):
     """A scheduler Req as finish_answer reads it."""
-    return SimpleNamespace(
-        rid=rid, origin_input_ids=list(origin), output_ids=list(output), retraction_count=retractions,
-        finished_reason=SimpleNamespace(to_json=lambda: {"type": finish}), customized_info=None)
+    return SchedulerReq(rid, origin, output, retraction_count=retractions).finish(finish)
 
 
 def decode_answer(dumper, rid, prompt_len, tokens, first_position=None):
@@ -50,15 +51,75 @@ def test_a_prompt_and_its_answer_are_one_sample_at_the_finish(dump_dir):
     for offset, token in enumerate(answer):
         run_decode(dumper, [token, 500 + offset], [DumpRequest("a", 5, answer=True, decoding=True), None],
                    [5 + offset, 3 + offset])
-    req = finished_req("a", a, answer[:3] + [777])
-    dumper.finish_answer(req)
+    dumper.finish_answer(finished_req("a", a, answer[:3] + [777]))
     lines = {line["rid"]: line for line in wait_for_manifest(dump_dir, ["a", "b"])}
 
     assert_dumped(dump_dir, lines["a"], a + answer[:2] + [902], LAYERS)
     assert lines["a"][ANSWER_TOKENS_FIELD] == 3 and lines["a"]["num_tokens"] == 8
     assert ANSWER_TOKENS_FIELD not in lines["b"]
-    [location] = req.customized_info[META_INFO_KEY]
-    assert location["file"] == lines["a"]["file"]
+
+
+@pytest.mark.parametrize("outputs_before", [0, 1, 50])
+def test_the_last_output_says_where_the_sample_is(dump_dir, outputs_before):
+    """Where a sample is goes into the request's last output, and into no output before it,
+    however many tokens those sent (a non-streamed request sends an output every 50 tokens, a
+    streamed one every few): a prompt's sample, submitted at its prefill, and an answer's,
+    submitted at the finish. The negative control, a request not dumped, reports nothing."""
+    dumper = start_dumper(dump_dir, LAYERS)
+    a, b, c = prompt(100, 5), prompt(200, 3), prompt(300, 2)
+    reqs = {rid: SchedulerReq(rid, origin) for rid, origin in (("a", a), ("b", b), ("c", c))}
+    run_forward(dumper, [(DumpRequest("a", 5, req=reqs["a"], answer=True), a, 0),
+                         (DumpRequest("b", 3, req=reqs["b"]), b, 0), (None, c, 0)])
+    answer = [900 + i for i in range(outputs_before + 1)]
+    for offset, token in enumerate(answer[:-1]):
+        run_decode(dumper, [token], [DumpRequest("a", 5, answer=True, decoding=True)], [5 + offset])
+    for req in reqs.values():
+        req.output_ids = list(answer)
+        req.send_token_offset = outputs_before
+    dump_requests.finish_dumped_requests(reqs.values())  # none finished: no output reports one
+    assert all(not next_output_reports(req) for req in reqs.values())
+    for req in reqs.values():
+        req.finish()
+    dumper.finish_answer(reqs["a"])  # as finish_dumped_requests does for a request requests_to_dump took
+    dump_requests.finish_dumped_requests(reqs.values())
+    lines = {line["rid"]: line for line in wait_for_manifest(dump_dir, ["a", "b"])}
+    for rid in "ab":
+        [location] = next_output_reports(reqs[rid])
+        assert location["file"] == lines[rid]["file"]
+        assert not any(reqs[rid].customized_info[META_INFO_KEY][:outputs_before])
+    assert lines["a"][ANSWER_TOKENS_FIELD] == outputs_before
+    assert next_output_reports(reqs["c"]) == []
+
+
+def test_where_chunks_are_sliced_by_token_a_stream_carries_one_value_a_token(dump_dir, monkeypatch):
+    """Under --incremental-streaming-output the tokenizer manager hands each chunk of a
+    streamed response the values of its own tokens, sliced from all it gathered: every chunk
+    of a dumped stream carries one value per token, None but for the location, which is the
+    first token's of the last chunk. A request not streamed is answered whole: its values stay
+    request-level."""
+    monkeypatch.setattr(dump_requests, "dump_enabled", lambda: True)
+    dump_requests.set_streams_sliced_by_token(True)
+    try:
+        streamed = SchedulerReq("streamed", stream=True, max_new_tokens=8)
+        whole = SchedulerReq("whole", max_new_tokens=8)
+        dump_requests.requests_to_dump([streamed, whole])
+        gathered = []  # what the tokenizer manager gathers of the stream, chunk after chunk
+        for sent in (1, 4, 6):  # tokens sent by each output before the last
+            streamed.output_ids = list(range(sent))
+            gathered += next_output_reports(streamed)[:sent - streamed.send_token_offset]
+            streamed.send_token_offset = sent
+        assert gathered == [None] * 6
+        streamed.output_ids, whole.output_ids = list(range(8)), list(range(8))
+        whole.send_token_offset = 0
+        location = {"sink": "files", "file": "f"}
+        for req in (streamed, whole):
+            dump_requests.report_in_last_output(req.finish(), location)
+        last = next_output_reports(streamed)[:8 - 6]
+        assert last == [location, None] and (gathered + last)[6:] == [location, None]
+        assert next_output_reports(whole) == [location]
+    finally:
+        dump_requests.set_streams_sliced_by_token(False)
+        dump_requests._answering.clear()
 
 
 def test_an_answer_of_one_token_is_its_prompt(dump_dir):
@@ -133,20 +194,8 @@ def test_with_answer_in_loss():
     assert with_answer_in_loss((0, 3), 0) == (0, 3)
 
 
-class SchedulerReq:
-    """A scheduler Req as the batch's hooks read it (weakly referenced, as a Req is)."""
-
-    def __init__(self, rid, custom_params=None):
-        self.rid, self.origin_input_ids, self.output_ids = rid, [5, 6, 7], []
-        self.to_finish, self.retraction_count, self.done = None, 0, False
-        self.sampling_params = SimpleNamespace(custom_params=custom_params)
-
-    def finished(self):
-        return self.done
-
-
 def scheduler_req(rid, custom_params=None):
-    return SchedulerReq(rid, custom_params)
+    return SchedulerReq(rid, custom_params=custom_params)
 
 
 def test_which_requests_carry_their_answers(monkeypatch):
@@ -162,6 +211,9 @@ def test_which_requests_carry_their_answers(monkeypatch):
         prefill = dump_requests.requests_to_dump([asks, plain, private])
         assert [(r.rid, r.answer, r.decoding) for r in prefill if r] == [("asks", True, False), ("plain", False, False)]
         assert prefill[2] is None
+        # Every output of a dumped request carries the key (empty until the last names the sample).
+        assert asks.customized_info == plain.customized_info == {META_INFO_KEY: []}
+        assert private.customized_info is None
         for req in (asks, plain, private):
             req.output_ids.append(900)
         decode = dump_requests.requests_to_dump([plain, asks, private], is_extend=False)
@@ -171,11 +223,11 @@ def test_which_requests_carry_their_answers(monkeypatch):
         asks.retraction_count = 1  # once retracted, its steps carry nothing
         assert dump_requests.requests_to_dump([asks], is_extend=False) == [None]
         asks.retraction_count = 0
-        dump_requests.finish_answers([plain, asks])
+        dump_requests.finish_dumped_requests([plain, asks])
         assert finished == []  # not finished yet
-        asks.done = True
-        dump_requests.finish_answers([plain, asks])
-        dump_requests.finish_answers([asks])
+        asks.finish()
+        dump_requests.finish_dumped_requests([plain, asks])
+        dump_requests.finish_dumped_requests([asks])
         assert finished == [asks]  # handed over once
         assert dump_requests.requests_to_dump([asks], is_extend=False) == []
     finally:

@@ -5,18 +5,19 @@ waited out and nothing is evicted; no store, a clear error at startup."""
 
 import os
 import time
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 
 from sglang.srt.hidden_states_dump.config import DumpConfig, MooncakeSettings
-from sglang.srt.hidden_states_dump.format import META_INFO_KEY, checksum_of, load_dump, read_manifest
-from sglang.srt.hidden_states_dump.requests import DumpRequest
+from sglang.srt.hidden_states_dump.format import checksum_of, load_dump, read_manifest
+from sglang.srt.hidden_states_dump.requests import DumpRequest, finish_dumped_requests
 from sglang.srt.hidden_states_dump.store_layouts import REF_CHANNEL
 from tests.unit.dump_standins import (
+    SchedulerReq,
     bits,
+    next_output_reports,
     prompt,
     run_forward,
     start_dumper,
@@ -70,14 +71,15 @@ def client(master):
 
 def feed(dumper):
     """Two requests, one of them prefilled in two chunks; the first with a loss mask. Returns
-    where each request's response says its sample is (the scheduler's Req stood in for)."""
-    reqs = {rid: SimpleNamespace(customized_info=None) for rid in ("a", "b")}
+    where each request's last output says its sample is."""
+    reqs = {rid: SchedulerReq(rid) for rid in ("a", "b")}
     run_forward(dumper, [(DumpRequest("a", 5, (2, 3), reqs["a"]), prompt(100, 5), 0),
                          (DumpRequest("b", 7, None, reqs["b"]), prompt(200, 4), 0)])
     run_forward(dumper, [(DumpRequest("b", 7, None, reqs["b"]), prompt(204, 3), 4)])
+    finish_dumped_requests([req.finish() for req in reqs.values()])
     reported = {}
     for rid, req in reqs.items():
-        [reported[rid]] = req.customized_info[META_INFO_KEY]
+        [reported[rid]] = next_output_reports(req)
     return reported
 
 

@@ -39,6 +39,7 @@ from sglang.srt.hidden_states_dump.requests import (
     DumpRequest,
     holds_dumped_request,
     on_answer_finished,
+    set_streams_sliced_by_token,
 )
 from sglang.srt.hidden_states_dump.process_writer import ProcessDumpWriter
 from sglang.srt.hidden_states_dump.staged_answers import StagedAnswerRows
@@ -58,7 +59,7 @@ from sglang.version import __version__
 logger = logging.getLogger(__name__)
 
 # The dump's own revision within the series, bumped when what it writes or refuses changes.
-SERIES_REVISION = 9
+SERIES_REVISION = 10
 SERIES_VERSION = f"{__version__}-{SERIES_REVISION}"
 
 
@@ -273,6 +274,8 @@ class HiddenStatesDumper:
         server_args, (attn_tp_rank, dp_rank, last_pp_stage) = server_args_and_ranks()
         check_server_args(server_args)
         check_patches()
+        # 0.5.9 has no such option: its tokenizer manager hands each output its own values.
+        set_streams_sliced_by_token(getattr(server_args, "incremental_streaming_output", False))
         num_layers = model_config.num_hidden_layers
         layer_ids = config.layer_ids(num_layers)
         check_layers_for_layout(config, layer_ids, num_layers)

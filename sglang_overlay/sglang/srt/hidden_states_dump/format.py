@@ -42,8 +42,8 @@ TEMP_PREFIX = ".partial-"
 # What a client and a dumping server exchange beside the prompt: the key of a request's
 # sampling_params.custom_params that gives its prompt's loss mask, run-length encoded (zeros,
 # ones, zeros, ...), for the sinks whose layout holds one; and the key of a dumped request's
-# /generate meta_info that says where its sample is (a list holding one entry: SGLang's
-# per-request customized_info reaches meta_info as a list).
+# /generate meta_info that says, in its last output, where its sample is (a list holding one
+# entry: SGLang's per-request customized_info reaches meta_info as a list).
 LOSS_MASK_PARAM = "hidden_states_dump_loss_mask"
 META_INFO_KEY = "hidden_states_dump"
 # Keys of a request's custom_params that say whether it is dumped: DUMP_PARAM true, a request

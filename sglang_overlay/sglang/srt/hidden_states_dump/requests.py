@@ -5,8 +5,9 @@ they decline (DUMP_PARAM false, or PRIVATE_PARAM true, whatever else is set), an
 when the server's sample takes it (config.RequestSample: all requests by default). A dumped
 request's answer is dumped with it when its custom_params ask (ANSWER_PARAM true) or the
 server dumps every answer (SGLANG_HS_DUMP_ANSWERS): its decode steps then carry it too, until
-it finishes. With dumping off every helper here returns after one cached bool check, and
-decode steps pay one more while no answer is being dumped.
+it finishes. A dumped request's last output says where its sample is (finish_dumped_requests).
+With dumping off every helper here returns after one cached bool check, and decode steps pay
+one more while no answer is being dumped.
 """
 
 import weakref
@@ -49,8 +50,17 @@ class DumpRequest:
 
 
 # The requests whose answer is being dumped, on every rank alike: added with their prompt's
-# prefill, gone when they finish (finish_answers) or with the request.
+# prefill, gone when they finish (finish_dumped_requests) or with the request.
 _answering: "weakref.WeakSet" = weakref.WeakSet()
+# Where each submitted request's sample will be, until its last output reports it (on the
+# rank that writes): its prompt's sample is submitted long before that output, an answer's
+# just before it.
+_locations: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Whether the tokenizer manager gives each chunk of a streamed response the customized_info
+# values of that chunk's tokens alone (--incremental-streaming-output, 0.5.14 on: it slices
+# what it gathered at the tokens sent before). A dumped streamed request's outputs then carry
+# one value per token they send, so that the location lands in the last chunk's.
+_streams_sliced_by_token = False
 # Where a finished request whose answer was dumped goes: the dumper of this process.
 _on_answer_finished: Optional[Callable[[Any], None]] = None
 
@@ -58,6 +68,11 @@ _on_answer_finished: Optional[Callable[[Any], None]] = None
 def on_answer_finished(callback: Optional[Callable[[Any], None]]) -> None:
     global _on_answer_finished
     _on_answer_finished = callback
+
+
+def set_streams_sliced_by_token(sliced: bool) -> None:
+    global _streams_sliced_by_token
+    _streams_sliced_by_token = sliced
 
 
 def wants_dump(req) -> bool:
@@ -127,6 +142,12 @@ def prompt_rows(req) -> DumpRequest:
     answer = wants_answer(req)
     if answer:
         _answering.add(req)
+    # Every output of a dumped request carries the key, and no location until its last: a
+    # request without the key in a batch output that has it gets one None per token (0.5.23),
+    # which the tokenizer manager would keep before the location.
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info.setdefault(META_INFO_KEY, no_location(req))
     return DumpRequest(
         req.rid, len(req.origin_input_ids), loss_mask_runs(req), req, asks_for_dump(req), answer
     )
@@ -140,17 +161,21 @@ def answer_rows(req) -> Optional[DumpRequest]:
     return DumpRequest(req.rid, len(req.origin_input_ids), req=req, answer=True, decoding=True)
 
 
-def finish_answers(reqs) -> None:
-    """Hand each finished request whose answer is being dumped to the dumper, which writes
-    its sample (or says why not); the scheduler calls this before it sends their outputs,
-    on every rank."""
-    if not _answering:
-        return
-    for req in reqs:
-        if req in _answering and req.finished():
-            _answering.discard(req)
-            if _on_answer_finished is not None:
-                _on_answer_finished(req)
+def finish_dumped_requests(reqs) -> None:
+    """Before the scheduler sends a batch's outputs, on every rank: hand each finished
+    request whose answer is being dumped to the dumper, which writes its sample (or says why
+    not), then put where each finished request's sample is into its last output (a finished
+    request's next output is its last). Two checks of empty collections while none is in
+    flight; the few in flight, not the batch, are looked through for locations."""
+    if _answering:
+        for req in reqs:
+            if req in _answering and req.finished():
+                _answering.discard(req)
+                if _on_answer_finished is not None:
+                    _on_answer_finished(req)
+    if _locations:
+        for req in [req for req in _locations if req.finished()]:
+            report_in_last_output(req, _locations.pop(req))
 
 
 def loss_mask_runs(req) -> Optional[Tuple[int, ...]]:
@@ -164,12 +189,34 @@ def loss_mask_runs(req) -> Optional[Tuple[int, ...]]:
 
 
 def report_location(req, location: dict) -> None:
-    """Put where a request's sample will be (once the writer publishes it) in the request's
-    response: meta_info[META_INFO_KEY], through the Req's customized_info, which the
-    scheduler sends with the request's first output."""
+    """Where a request's sample will be once the writer publishes it: its last output says
+    (finish_dumped_requests)."""
+    _locations[req] = location
+
+
+def no_location(req) -> list:
+    """A dumped request's customized_info values before its last output: none (each output
+    sends an empty list), or, where its chunks are sliced by token, one None for each token
+    it may generate."""
+    if _streams_sliced_by_token and req.stream:
+        return [None] * req.sampling_params.max_new_tokens
+    return []
+
+
+def report_in_last_output(req, location: dict) -> None:
+    """Put `location` in the response of a finished request: meta_info[META_INFO_KEY], a list
+    holding it, through the Req's customized_info. The scheduler sends each output the
+    customized_info values of the tokens it sends (from send_token_offset on): the location
+    is the value of the first token the last output sends, so that output alone carries it,
+    streamed or not, however many outputs came before. Where the chunks are sliced by token,
+    the last chunk's other tokens have None."""
+    offset = req.send_token_offset
+    values = [None] * offset + [location]
+    if _streams_sliced_by_token and req.stream:
+        values += [None] * (len(req.output_ids) - len(values))
     if req.customized_info is None:
         req.customized_info = {}
-    req.customized_info[META_INFO_KEY] = [location]
+    req.customized_info[META_INFO_KEY] = values
 
 
 def decode_graph_misses_dump(requests: Optional[List[Optional[DumpRequest]]]) -> bool:

@@ -45,12 +45,12 @@ PATCH_MARKERS = (
         feature_module="sglang.srt.model_executor.runner.prefill_cuda_graph_runner",
     ),
     PatchMarker(
-        "submit-dumped-answers-when-their-requests-finish",
+        "finish-dumped-requests-before-their-last-output",
         (
             "sglang.srt.managers.scheduler_components.output_streamer",
             "sglang.srt.managers.scheduler_output_processor_mixin",
         ),
-        "finish_answers",
+        "finish_dumped_requests",
     ),
     PatchMarker(
         "decode-cuda-graph-steps-with-dumped-answers",
