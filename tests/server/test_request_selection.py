@@ -10,10 +10,14 @@ On a server dumping every request (fraction 1, as live traffic was checked), str
 chunks or incremental ones: every dumped request's last output says where its sample is,
 streamed or not, prompt only or with its answer, at lengths either side of the 50 tokens at
 which SGLang sends a non-streamed request's outputs; a request that declines reports none
-(the negative control)."""
+(the negative control). custom_params that are
+not what the dump documents (not an object, a non-boolean where a boolean belongs, a loss mask
+that is no list of counts) refuse the request with an error naming the field, and nothing of
+it is dumped; the server goes on serving."""
 
 import json
 import math
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
@@ -25,6 +29,7 @@ from scripts.dump_format import (
     ANSWER_PARAM,
     ANSWER_TOKENS_FIELD,
     DUMP_PARAM,
+    LOSS_MASK_PARAM,
     META_INFO_KEY,
     PRIVATE_PARAM,
     REQUEST_SAMPLE_FIELD,
@@ -173,3 +178,49 @@ def test_every_dumped_requests_last_output_says_where_its_sample_is(dumping_ever
             assert entries[rid][ANSWER_TOKENS_FIELD] == n - 1, entries[rid]
         else:
             assert ANSWER_TOKENS_FIELD not in entries[rid], entries[rid]
+
+
+# custom_params that are not what the dump documents, and the field each error names.
+MALFORMED = {
+    "params-a-string": ("hidden_states_dump", "sampling_params.custom_params must be a JSON object"),
+    "params-a-list": ([DUMP_PARAM], "sampling_params.custom_params must be a JSON object"),
+    "dump-a-string": ({DUMP_PARAM: "false"}, f"sampling_params.custom_params.{DUMP_PARAM} must be true or false"),
+    "dump-null": ({DUMP_PARAM: None}, f"sampling_params.custom_params.{DUMP_PARAM} must be true or false"),
+    "answer-a-string": ({ANSWER_PARAM: "true"}, f"sampling_params.custom_params.{ANSWER_PARAM} must be true or false"),
+    "mask-a-string": ({LOSS_MASK_PARAM: "all"}, f"sampling_params.custom_params.{LOSS_MASK_PARAM} must be a list"),
+}
+
+
+def refusal(server, body: dict, stream: bool) -> str:
+    """The error a refused request gets: HTTP 400 with a message, or, streamed, a last chunk
+    aborted with status 400 and the message."""
+    if not stream:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            outputs(server, body, stream=False)
+        assert refused.value.code == 400, refused.value
+        return json.loads(refused.value.read())["error"]["message"]
+    finish = outputs(server, body, stream=True)[-1]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and finish.get("status_code") == 400, finish
+    return finish["message"]
+
+
+def test_malformed_dump_params_refuse_the_request_naming_the_field(dumping_every_request):
+    server, out, _ = dumping_every_request
+    refused = set()
+    for name, (custom_params, error) in MALFORMED.items():
+        for stream in (False, True):
+            rid = f"malformed-{name}-{'streamed' if stream else 'whole'}"
+            message = refusal(server, live_body(rid, 4, custom_params), stream)
+            assert error in message, (rid, message)
+            refused.add(rid)
+    # Negative controls: what the dump documents is served (private read loosely, toward privacy).
+    for rid, custom_params in (("well-formed-declined", {DUMP_PARAM: False}), ("well-formed-private", {PRIVATE_PARAM: "yes"}),
+                               ("well-formed-other", {"some_logit_processor_param": "x"})):
+        assert len(outputs(server, live_body(rid, 4, custom_params), stream=False)[0]["output_ids"]) == 4
+    # The server goes on serving; lines are published in submission order: once this request's
+    # is there, a line of any request before it would be.
+    outputs(server, live_body("asked-after-malformed", 2, {DUMP_PARAM: True}), stream=False)
+    wait_for(lambda: "asked-after-malformed" in {e["rid"] for e in read_manifest(str(out))}, "the last request's line")
+    dumped = {e["rid"] for e in read_manifest(str(out))}
+    assert not dumped & refused, dumped & refused
+    assert "well-formed-other" in dumped and not {"well-formed-declined", "well-formed-private"} & dumped

@@ -10,7 +10,13 @@ from types import SimpleNamespace
 import pytest
 
 from sglang.srt.hidden_states_dump.config import check_dump_dir, default_layer_ids, parse_layer_ids
-from sglang.srt.hidden_states_dump.requests import DumpRequest, holds_dumped_request, requests_to_dump, wants_dump
+from sglang.srt.hidden_states_dump.requests import (
+    DumpRequest,
+    dump_params_error,
+    holds_dumped_request,
+    requests_to_dump,
+    wants_dump,
+)
 from sglang.srt.hidden_states_dump.startup_checks import check_server_args
 from sglang.srt.sampling.sampling_params import SamplingParams
 from tests.unit.conftest import RELEASE
@@ -121,7 +127,6 @@ def test_wants_dump(rid, output_ids, dumped):
         ({"private": "yes"}, False),  # read loosely: toward privacy
         ({"private": True, "hidden_states_dump": True}, False),  # private wins
         ({"private": False}, True),
-        ({"hidden_states_dump": "false"}, True),  # only the boolean false declines
     ],
 )
 def test_a_request_that_declines_the_dump_is_not_dumped(custom_params, dumped):
@@ -129,6 +134,52 @@ def test_a_request_that_declines_the_dump_is_not_dumped(custom_params, dumped):
 
     req = Req("client-1", "", [1, 2, 3], SamplingParams(max_new_tokens=4, custom_params=custom_params))
     assert wants_dump(req) is dumped
+
+
+@pytest.mark.parametrize(
+    "custom_params, refused_for",
+    [
+        (None, None),
+        ({}, None),
+        ({"hidden_states_dump": True, "hidden_states_dump_answer": False}, None),
+        ({"private": "yes"}, None),  # read loosely, toward privacy: any true value
+        ({"some_logit_processor_param": "x"}, None),  # not the dump's
+        ({"hidden_states_dump_loss_mask": [0, 3, 2]}, None),
+        ("hidden_states_dump", 'sampling_params.custom_params must be a JSON object for the hidden '
+                               'states dump (such as {"hidden_states_dump": true}), not "hidden_states_dump"'),
+        (["hidden_states_dump"], "sampling_params.custom_params must be a JSON object"),
+        ({"hidden_states_dump": "false"},
+         'sampling_params.custom_params.hidden_states_dump must be true or false (a JSON boolean), not "false"'),
+        ({"hidden_states_dump": None}, "custom_params.hidden_states_dump must be true or false"),
+        ({"hidden_states_dump": 0}, "custom_params.hidden_states_dump must be true or false"),
+        ({"hidden_states_dump_answer": "true"}, 'custom_params.hidden_states_dump_answer must be true or false'),
+        ({"hidden_states_dump_answer": 1}, "custom_params.hidden_states_dump_answer must be true or false"),
+        ({"hidden_states_dump_loss_mask": "all"}, "custom_params.hidden_states_dump_loss_mask must be a list"),
+        ({"hidden_states_dump_loss_mask": [2, -1]}, "custom_params.hidden_states_dump_loss_mask must be a list"),
+        ({"hidden_states_dump_loss_mask": [2, True]}, "custom_params.hidden_states_dump_loss_mask must be a list"),
+        ({"hidden_states_dump_loss_mask": [2.0]}, "custom_params.hidden_states_dump_loss_mask must be a list"),
+    ],
+)
+def test_dump_params_that_are_not_what_the_dump_documents_refuse_the_request(dumping_on, custom_params, refused_for):
+    """A malformed field is refused, naming it, never read as a choice (the string "false" is
+    true): the scheduler aborts the request before anything is dumped."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    req = Req("client-1", "", [1, 2, 3], SamplingParams(max_new_tokens=4, custom_params=custom_params))
+    error = dump_params_error(req)
+    if refused_for is None:
+        assert error is None
+    else:
+        assert refused_for in (error or ""), error
+
+
+def test_with_dumping_off_no_dump_params_are_refused():
+    from sglang.srt.hidden_states_dump.config import dump_enabled
+    from sglang.srt.managers.schedule_batch import Req
+
+    dump_enabled.cache_clear()
+    req = Req("client-1", "", [1, 2, 3], SamplingParams(max_new_tokens=4, custom_params="hidden_states_dump"))
+    assert dump_params_error(req) is None
 
 
 def test_an_aborted_request_is_not_dumped():

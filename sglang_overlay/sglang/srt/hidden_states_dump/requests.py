@@ -6,10 +6,12 @@ when the server's sample takes it (config.RequestSample: all requests by default
 request's answer is dumped with it when its custom_params ask (ANSWER_PARAM true) or the
 server dumps every answer (SGLANG_HS_DUMP_ANSWERS): its decode steps then carry it too, until
 it finishes. A dumped request's last output says where its sample is (finish_dumped_requests).
-With dumping off every helper here returns after one cached bool check, and decode steps pay
-one more while no answer is being dumped.
+custom_params that are not what the dump documents (dump_params_error) refuse the request
+before anything reads them. With dumping off every helper here returns after one cached bool
+check, and decode steps pay one more while no answer is being dumped.
 """
 
+import json
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
@@ -48,6 +50,9 @@ class DumpRequest:
     token_ids: Optional[Tuple[int, ...]] = field(default=None, repr=False)
     answer_tokens: Optional[int] = None  # how many of a whole sample's rows are its answer's
 
+
+# The custom_params of the dump that are documented as booleans.
+BOOLEAN_PARAMS = (DUMP_PARAM, ANSWER_PARAM)
 
 # The requests whose answer is being dumped, on every rank alike: added with their prompt's
 # prefill, gone when they finish (finish_dumped_requests) or with the request.
@@ -217,6 +222,51 @@ def report_in_last_output(req, location: dict) -> None:
     if req.customized_info is None:
         req.customized_info = {}
     req.customized_info[META_INFO_KEY] = values
+
+
+def dump_params_error(req) -> Optional[str]:
+    """Why the dump refuses a request's custom_params (None: it does not); the scheduler then
+    aborts the request as it aborts a prompt that is too long, before anything of it is
+    dumped: custom_params that are not a JSON object, a non-boolean where the dump documents
+    a boolean, a loss mask that is not a list of non-negative integers. A field the client
+    got wrong is never read as a choice (the string "false" is true). PRIVATE_PARAM is read
+    loosely, toward privacy: any true value."""
+    if not dump_enabled():
+        return None
+    custom_params = getattr(req.sampling_params, "custom_params", None)
+    if custom_params is None:
+        return None
+    if not isinstance(custom_params, dict):
+        return (
+            f"sampling_params.custom_params must be a JSON object for the hidden states dump "
+            f"(such as {{\"{DUMP_PARAM}\": true}}), not {json_of(custom_params)}"
+        )
+    for key in BOOLEAN_PARAMS:
+        if key in custom_params and not isinstance(custom_params[key], bool):
+            return (
+                f"sampling_params.custom_params.{key} must be true or false (a JSON boolean), "
+                f"not {json_of(custom_params[key])}"
+            )
+    if LOSS_MASK_PARAM in custom_params:
+        runs = custom_params[LOSS_MASK_PARAM]
+        if not (
+            isinstance(runs, list)
+            and all(isinstance(run, int) and not isinstance(run, bool) and run >= 0 for run in runs)
+        ):
+            return (
+                f"sampling_params.custom_params.{LOSS_MASK_PARAM} must be a list of non-negative "
+                f"integers (the loss mask's runs: zeros, ones, zeros, ...), not {json_of(runs)}"
+            )
+    return None
+
+
+def json_of(value, limit: int = 80) -> str:
+    """A client's value as JSON, as it sent it, cut to `limit` characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def decode_graph_misses_dump(requests: Optional[List[Optional[DumpRequest]]]) -> bool:

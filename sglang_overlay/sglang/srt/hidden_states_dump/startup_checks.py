@@ -84,6 +84,11 @@ PATCH_MARKERS = (
         "set_data_parallel_rank",
         upstream_module="sglang.srt.runtime_context",  # its Parallel.dp_rank
     ),
+    PatchMarker(
+        "refuse-requests-with-malformed-dump-params",
+        ("sglang.srt.managers.scheduler",),
+        "dump_params_error",
+    ),
 )
 
 
