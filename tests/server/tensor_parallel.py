@@ -17,6 +17,7 @@ needed for a server of eight ranks to reach ready on a two-core host without AMX
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -103,3 +104,11 @@ def group_members(pgid: int) -> List[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(stat.parent.name))
     return members
+
+
+def wait_for_group_gone(server, timeout: float) -> None:
+    """Return once no process of the server's group is left; fail after `timeout` seconds."""
+    deadline = time.monotonic() + max(timeout, 1)
+    while group_members(server.process.pid):
+        assert time.monotonic() < deadline, f"processes still running: {group_members(server.process.pid)}"
+        time.sleep(0.2)

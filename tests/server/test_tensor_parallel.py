@@ -57,7 +57,7 @@ from scripts.dumps.tiny_model import ensure_kimi_model, ensure_model
 from tests.server import cpu_dp_attention, oracle_hooks
 from tests.server.dump_checks import OracleServer, post_all, relative_errors
 from tests.server.fault_hooks import fail_in_the_dump_spec
-from tests.server.tensor_parallel import CHUNK, compared_requests, group_members, tp_args, tp_env, workload
+from tests.server.tensor_parallel import CHUNK, compared_requests, tp_args, tp_env, wait_for_group_gone, workload
 from tests.server.test_warmup import LOADED_START_LIMIT_S, kimi_k25_server_settings, tree_without  # noqa: F401
 
 TP = 8
@@ -281,13 +281,6 @@ def test_a_fault_on_rank_5_mid_serving_stops_every_rank(tp8):
     summary = summarise(server.dump_dir)
     assert summary.problems == [], summary.problems
     assert summary.requests >= len(tp8.bodies)
-
-
-def wait_for_group_gone(server: Server, timeout: float):
-    deadline = time.monotonic() + max(timeout, 1)
-    while group_members(server.process.pid):
-        assert time.monotonic() < deadline, f"processes still running: {group_members(server.process.pid)}"
-        time.sleep(0.2)
 
 
 # --- servers of their own ----------------------------------------------------------------
