@@ -37,12 +37,15 @@ ROLES = {
 
 
 class Rejected(Exception):
-    """A record that is not a sample: `kind` (one word, for counting) and why."""
+    """A record that is not a sample: `kind` (one word, for counting), why, and the rid it
+    would have had (read_samples sets it; None where the record gives none: it is no JSON
+    object, or its id is neither a string nor an integer)."""
 
-    def __init__(self, kind: str, reason: str):
+    def __init__(self, kind: str, reason: str, rid: Optional[str] = None):
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
+        self.rid = rid
 
 
 @dataclass
@@ -145,6 +148,17 @@ def to_sample(record: Record, dataset_name: str) -> Sample:
     if not any(m["role"] == "assistant" for m in messages):
         raise Rejected("no_assistant", "no assistant turn: nothing to train on")
     return Sample(rid, record.line, messages, tools=_tools(value.get("tools")))
+
+
+def record_rid(record: Record, dataset_name: str) -> Optional[str]:
+    """The rid a record's sample has, or would have had were it one (_rid); None for a record
+    that is no JSON object or whose id is unusable."""
+    if record.rejection is not None or not isinstance(record.value, dict):
+        return None
+    try:
+        return _rid(record.value, dataset_name, record.line)
+    except Rejected:
+        return None
 
 
 def _rid(value: dict, dataset_name: str, line: int) -> str:
@@ -266,7 +280,7 @@ def _check_text(text: str, where: str) -> None:
 
 def read_samples(dataset: Dataset, limit: Optional[int] = None) -> Iterator[Tuple[Record, object]]:
     """(record, Sample or Rejected) for the first `limit` records; a second record with the
-    rid of an earlier one is rejected."""
+    rid of an earlier one is rejected. A rejection names the record's rid where it has one."""
     first_line = {}
     for count, record in enumerate(dataset.records):
         if limit is not None and count >= limit:
@@ -274,10 +288,11 @@ def read_samples(dataset: Dataset, limit: Optional[int] = None) -> Iterator[Tupl
         try:
             sample = to_sample(record, dataset.name)
         except Rejected as rejection:
-            yield record, rejection
+            yield record, Rejected(rejection.kind, rejection.reason, record_rid(record, dataset.name))
             continue
         if sample.rid in first_line:
-            yield record, Rejected("duplicate_id", f"the id {sample.rid!r} of line {first_line[sample.rid]} again")
+            yield record, Rejected("duplicate_id", f"the id {sample.rid!r} of line {first_line[sample.rid]} again",
+                                   sample.rid)
             continue
         first_line[sample.rid] = record.line
         yield record, sample

@@ -431,7 +431,7 @@ class Generation:
                     break
                 resolved += 1
                 if isinstance(result, Rejected):
-                    self._reject(record.line, None, result)
+                    self._reject(record.line, result.rid, result)
                     continue
                 if result.rid in self.done:
                     self.tally.already_done += 1

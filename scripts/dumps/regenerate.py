@@ -39,9 +39,11 @@ Written into the dump folder, so that generate then dumps them and a rerun resum
   truncated_turns, cut_after_turn}}, appended as conversations finish: a
   dataset generate takes back as it is. Plain text records pass through unchanged.
 - regenerate_rejected.jsonl: the records not regenerated, {"line", "rid", "kind", "reason"},
-  lines of the source dataset.
-A rerun skips every record either file holds; a record whose requests failed (every server
-unreachable) is in neither and is regenerated again.
+  lines of the source dataset, each with its record's rid (null for a line that is no JSON
+  object or whose id is unusable).
+A rerun skips every record either file holds (a rejected one by its line and rid: a record
+rejected as another's duplicate id does not stand for that other); a record whose requests
+failed (every server unreachable) is in neither and is regenerated again.
 """
 
 import hashlib
@@ -159,7 +161,7 @@ class Regeneration:
         self.path = out / REGENERATED_NAME
         self.done = {entry["id"] for entry in read_lines(self.path)}
         rejected_before = read_lines(out / REGENERATE_REJECTED_NAME)
-        self.rejected_rids = {entry["rid"] for entry in rejected_before}
+        self.rejected_records = {(entry["line"], entry["rid"]) for entry in rejected_before}
         self.rejected_lines = {entry["line"] for entry in rejected_before}
         self.tally = RegenerateTally()
 
@@ -173,10 +175,10 @@ class Regeneration:
                 futures = {}
                 for n, (record, result) in enumerate(read_samples(dataset, limit)):
                     if isinstance(result, Rejected):
-                        self._reject(rejected, record.line, None, result)
+                        self._reject(rejected, record.line, result.rid, result)
                         bar.update(1)
                         continue
-                    if result.rid in self.done or result.rid in self.rejected_rids:
+                    if result.rid in self.done or (result.line, result.rid) in self.rejected_records:
                         self.tally.already_done += 1
                         bar.update(1)
                         continue

@@ -10,9 +10,11 @@ sample's file:
 `loss_mask` is run-length: counts of zeros and ones in turn, starting with zeros (0 first
 when the mask starts with a one). `sample` is the sample's file, or its id in a Mooncake
 store (format.sample_name of its manifest line); generate checks that the server's answer
-named the same sample (meta_info["hidden_states_dump"]). rejected.jsonl, one line per record that is not a sample:
+named the same sample (meta_info["hidden_states_dump"]). rejected.jsonl, one line per record that is not a sample,
+with the rid it would have had (null for a line that is no JSON object or whose id is unusable):
 
     {"line": 4, "rid": null, "kind": "not_json", "reason": "not JSON: Expecting value: ..."}
+    {"line": 9, "rid": "a7", "kind": "no_assistant", "reason": "no assistant turn: nothing to train on"}
 
 Lines are appended whole (one write each); a torn last line, left by a lost machine, is
 skipped on reading and cut before the next append.

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -233,6 +234,19 @@ def test_rejections_name_their_line_and_reason(killed_and_resumed, dataset):
     duplicate = next(line for line, kind in bad.items() if kind == "duplicate_id")
     assert rejected[duplicate]["reason"].startswith("the id 'conv-3' of line")
     assert all(r["reason"] for r in rejected.values())
+    # Each names its record's rid: its id, else the dataset's name and the line; none for a
+    # line that is no JSON object.
+    assert rejected[duplicate]["rid"] == "conv-3"
+    assert {line: r["rid"] for line, r in rejected.items()} == {line: rid_of_line(path, line) for line in bad}
+
+
+def rid_of_line(path: Path, line: int) -> Optional[str]:
+    text = path.read_bytes().split(b"\n")[line - 1]
+    try:
+        value = json.loads(text.decode("utf-8"))
+    except ValueError:
+        return None
+    return (value.get("id") or f"{path.stem}:{line}") if isinstance(value, dict) else None
 
 
 def test_loss_masks_are_the_assistant_tokens(killed_and_resumed, dataset, model_l3):

@@ -48,8 +48,11 @@ def served(model_l3, tmp_path_factory):
     records = [dict(conversation(rng, n), id=f"conv-{n}") for n in range(CONVERSATIONS)]
     records.append({"id": "text-0", "text": "A plain text record passes through as it is."})
     dataset = tmp / "chats.jsonl"
-    dataset.write_text("".join(json.dumps(r) + "\n" for r in records)
-                       + json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
+    # Records that are rejected: without an answer (with an id and without), and another's id again.
+    rejected = [{"messages": [{"role": "user", "content": "no answer"}]},
+                {"id": "no-answer", "messages": [{"role": "user", "content": "no answer either"}]},
+                dict(conversation(rng, 0), id="conv-0")]
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in records + rejected))
     out = tmp / "dump"
     env = runtime_env(SGLANG_HS_DUMP_DIR=str(out), SGLANG_HS_DUMP_LAYERS=DUMP_LAYERS)
     # Every prompt prefilled whole and alone: the check below asks again for each answer, and on
@@ -104,7 +107,11 @@ def test_each_turn_is_the_served_models_answer_given_the_turns_before(served):
         assert record["regenerated"]["max_new_tokens"] == MAX_NEW_TOKENS
     assert changed == CONVERSATIONS  # a tiny random model writes none of the dataset's answers
     rejected = read_lines(served["out"] / REGENERATE_REJECTED_NAME)
-    assert [(r["line"], r["kind"]) for r in rejected] == [(len(served["records"]) + 1, "no_assistant")]
+    # Each names its record's rid: its id, else the dataset's name and the line.
+    first = len(served["records"]) + 1
+    assert [(r["line"], r["kind"], r["rid"]) for r in rejected] == [
+        (first, "no_assistant", f"chats:{first}"), (first + 1, "no_assistant", "no-answer"),
+        (first + 2, "duplicate_id", "conv-0")]
 
 
 def test_only_the_regenerated_conversations_are_dumped_with_masks_over_the_answers(served):
@@ -144,7 +151,7 @@ def test_a_rerun_regenerates_and_dumps_nothing_again(served):
     result = run_generate(*served["options"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "regenerated 0 conversations" in result.stderr
-    assert f"skipped as done: {len(served['records'])}; rejected: 1" in result.stderr
+    assert f"skipped as done: {len(served['records'])}; rejected: 3" in result.stderr
     assert (out / REGENERATED_NAME).read_text() == lines_before
     assert "dumped 0 samples" in result.stdout
 
