@@ -56,7 +56,6 @@ class FinishedReq:
         self.finished_reason = SimpleNamespace(to_json=lambda: {"type": "length"})
 
 
-
 def round_seconds(dumper, run, device, dtype, steps: int, first_rid: int):
     """One round: per step, the seconds of the dump's calls; and the samples it finished."""
     from sglang.srt.hidden_states_dump.requests import DumpRequest
