@@ -152,7 +152,8 @@ def prompt_rows(req) -> DumpRequest:
     # which the tokenizer manager would keep before the location.
     if req.customized_info is None:
         req.customized_info = {}
-    req.customized_info.setdefault(META_INFO_KEY, no_location(req))
+    if META_INFO_KEY not in req.customized_info:  # a prompt prefilled in chunks passes here again
+        req.customized_info[META_INFO_KEY] = no_location(req)
     return DumpRequest(
         req.rid, len(req.origin_input_ids), loss_mask_runs(req), req, asks_for_dump(req), answer
     )
